@@ -1,0 +1,9 @@
+.PHONY: setup demo test bench
+setup:
+	bash scripts/setup.sh
+demo: setup
+	.venv/bin/python examples/handoff_once.py
+test: setup
+	.venv/bin/python -m pytest -q
+bench: setup
+	.venv/bin/python benchmarks/handoff_vs_full_media.py

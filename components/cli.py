@@ -1,0 +1,26 @@
+"""The `mmhandoff` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmhandoff", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make-tiny-model", help="build (or find) the tiny random-weight VLM")
+    make.add_argument("dir", nargs="?", help="target folder (default: the cache folder)")
+    args = parser.parse_args(argv)
+
+    if args.command == "make-tiny-model":
+        from components.tiny_model import ensure_tiny_model, tree_digest
+
+        path = ensure_tiny_model(args.dir)
+        print(f"{path}  sha256:{tree_digest(path)[:16]}")
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The Handoff: what the encode/prefill worker sends to the decode tier (MessagePack, versioned).
+
+It carries no media: only the expanded prompt token ids, one content hash and one placeholder
+range per image, `requires_kv`, and the KV connector's `kv_transfer_params` that name the blocks
+to pull. Decoding is strict: every malformed, truncated or forbidden message raises a subclass of
+`HandoffError` with a stable `code`, never anything else.
+
+    wire = encode_handoff(h)                     # bytes
+    h = decode_handoff(wire)                     # structural rules checked
+    check_admission(h, fingerprint=...)          # rules that need the decode engine's context
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+
+import msgspec
+
+VERSION = 1
+SUPPORTED_VERSIONS = frozenset({VERSION})
+
+
+# ---- errors: one type per admission rule -------------------------------------------------------
+class HandoffError(ValueError):
+    """A handoff the decode tier refuses. `code` is stable and safe to show to a client."""
+
+    code = "invalid_handoff"
+
+
+class MalformedHandoff(HandoffError):
+    code = "malformed"
+
+
+class UnsupportedVersion(HandoffError):
+    code = "unsupported_version"
+
+
+class PayloadPresent(HandoffError):
+    code = "payload_present"
+
+
+class EmptyHash(HandoffError):
+    code = "empty_hash"
+
+
+class FeatureMismatch(HandoffError):
+    code = "feature_mismatch"
+
+
+class SpanOutOfRange(HandoffError):
+    code = "span_out_of_range"
+
+
+class SpanReachesFinalToken(HandoffError):
+    code = "span_reaches_final_token"
+
+
+class KVRequired(HandoffError):
+    code = "kv_required"
+
+
+class UnsupportedRequest(HandoffError):
+    code = "unsupported_request"
+
+
+class FingerprintMismatch(HandoffError):
+    code = "fingerprint_mismatch"
+
+
+class DigestMismatch(HandoffError):
+    code = "digest_mismatch"
+
+
+# ---- wire types ---------------------------------------------------------------------------------
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class Span(_Strict, frozen=True):
+    """Where one item's placeholder tokens sit in the prompt. `is_embed` marks, per position of
+    the span, which ones receive embeddings (None: all of them)."""
+
+    offset: int
+    length: int
+    is_embed: list[bool] | None = None
+
+
+class Features(_Strict):
+    """Per modality, in prompt order: one content hash and one span per item. Nothing else:
+    any other field (pixels, tensors, embeddings) is a payload and is refused."""
+
+    mm_hashes: dict[str, list[str]]
+    mm_placeholders: dict[str, list[Span]]
+
+
+class Sampling(_Strict):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # refused on decode: the prompt is not computed there
+
+
+class Handoff(_Strict):
+    v: int
+    request_id: str
+    model_fingerprint: str
+    token_ids: list[int]
+    features: Features
+    requires_kv: bool
+    kv_transfer_params: dict[str, Any]
+    sampling: Sampling
+    cache_salt: str | None = None
+    digest: str | None = None  # hex HMAC-SHA256 over the message without it (see `sign`)
+
+    def __repr__(self) -> str:  # never dump token ids or transfer params into logs
+        counts = {m: len(h) for m, h in self.features.mm_hashes.items()}
+        return (f"Handoff(v={self.v}, request_id={self.request_id!r}, "
+                f"tokens={len(self.token_ids)}, items={counts}, requires_kv={self.requires_kv})")
+
+    def items(self) -> list[tuple[str, str, Span]]:
+        """(modality, hash, span) for every item, sorted by position in the prompt."""
+        out = []
+        for modality, hashes in self.features.mm_hashes.items():
+            spans = self.features.mm_placeholders.get(modality, [])
+            out.extend((modality, h, s) for h, s in zip(hashes, spans))
+        return sorted(out, key=lambda item: item[2].offset)
+
+
+class _Envelope(msgspec.Struct):
+    v: Any = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Handoff)
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+# Field names under `features` that would carry media; all unknown fields are refused, these get
+# the more precise error.
+_PAYLOAD_HINTS = ("mm_kwargs", "kwargs", "data", "pixel", "embed", "tensor", "image", "payload")
+
+
+# ---- encode / decode ----------------------------------------------------------------------------
+def encode_handoff(handoff: Handoff) -> bytes:
+    return _encoder.encode(handoff)
+
+
+def decode_handoff(data: bytes) -> Handoff:
+    """Decode and check the structural rules; raise a `HandoffError` for anything else."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MalformedHandoff(f"expected bytes, got {type(data).__name__}")
+    try:
+        version = _envelope_decoder.decode(data).v
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise MalformedHandoff(f"not a handoff message: {e}") from None
+    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
+        raise UnsupportedVersion(
+            f"handoff version {version!r} is not supported (supported: {sorted(SUPPORTED_VERSIONS)})")
+    try:
+        handoff = _decoder.decode(data)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        if "unknown field" in msg and "$.features" in msg and any(
+            hint in msg.lower() for hint in _PAYLOAD_HINTS
+        ):
+            raise PayloadPresent(f"the handoff must carry no media payload: {msg}") from None
+        if "unknown field" in msg and "$.features" in msg:
+            raise PayloadPresent(f"features may hold only hashes and placeholders: {msg}") from None
+        raise MalformedHandoff(msg) from None
+    except msgspec.DecodeError as e:
+        raise MalformedHandoff(f"not a handoff message: {e}") from None
+    check_structure(handoff)
+    return handoff
+
+
+def check_structure(h: Handoff) -> None:
+    """Rules that need nothing but the message itself."""
+    n = len(h.token_ids)
+    if not h.request_id:
+        raise MalformedHandoff("request_id is empty")
+    if n == 0:
+        raise MalformedHandoff("token_ids is empty")
+    if any(t < 0 for t in h.token_ids):
+        raise MalformedHandoff("token_ids holds a negative id")
+    hashes, spans = h.features.mm_hashes, h.features.mm_placeholders
+    if set(hashes) != set(spans):
+        raise FeatureMismatch(
+            f"modalities differ between hashes {sorted(hashes)} and placeholders {sorted(spans)}")
+    for modality in hashes:
+        if len(hashes[modality]) != len(spans[modality]):
+            raise FeatureMismatch(
+                f"{modality}: {len(hashes[modality])} hashes but {len(spans[modality])} spans")
+    end_prev = 0
+    for modality, digest, span in h.items():
+        if not digest:
+            raise EmptyHash(f"a {modality} item has an empty content hash")
+        if span.length <= 0 or span.offset < 0 or span.offset + span.length > n:
+            raise SpanOutOfRange(
+                f"{modality} span [{span.offset}, {span.offset + span.length}) is not inside the "
+                f"{n}-token prompt")
+        if span.offset + span.length >= n:
+            raise SpanReachesFinalToken(
+                f"{modality} span [{span.offset}, {span.offset + span.length}) reaches the final "
+                f"prompt token {n - 1}, which decode always recomputes")
+        if span.offset < end_prev:
+            raise SpanOutOfRange(f"{modality} span at {span.offset} overlaps the previous item")
+        if span.is_embed is not None and len(span.is_embed) != span.length:
+            raise SpanOutOfRange(f"{modality} span's is_embed has {len(span.is_embed)} entries, "
+                                 f"expected {span.length}")
+        end_prev = span.offset + span.length
+    if h.sampling.max_tokens < 1:
+        raise MalformedHandoff("sampling.max_tokens must be at least 1")
+
+
+def check_admission(h: Handoff, *, fingerprint: str, key: bytes | None = None) -> None:
+    """The decode-side rules that need the engine's context (its model fingerprint, the key)."""
+    if h.sampling.prompt_logprobs is not None:
+        raise UnsupportedRequest("prompt logprobs need the prompt computed; decode does not")
+    if h.features.mm_hashes and not h.requires_kv:
+        raise KVRequired("a handoff with media must set requires_kv: decode never sees media")
+    if h.model_fingerprint != fingerprint:
+        raise FingerprintMismatch(
+            f"handoff is for model {h.model_fingerprint[:16]}..., this engine serves "
+            f"{fingerprint[:16]}...")
+    if key is not None or h.digest is not None:
+        if h.digest is None or not hmac.compare_digest(h.digest, _mac(h, key or b"")):
+            raise DigestMismatch("handoff digest does not verify")
+
+
+def sign(h: Handoff, key: bytes = b"") -> Handoff:
+    """Return `h` with its digest set (HMAC-SHA256 with `key`; an empty key is a checksum)."""
+    return msgspec.structs.replace(h, digest=_mac(h, key))
+
+
+def _mac(h: Handoff, key: bytes) -> str:
+    body = _encoder.encode(msgspec.structs.replace(h, digest=None))
+    return hmac.new(key, body, hashlib.sha256).hexdigest()

@@ -1,0 +1,93 @@
+"""Image intake for the encode/prefill worker: decode, limit, and give each image its identity.
+
+An image's identity is a hash of its decoded pixels (mode, size, RGB bytes), not of the bytes it
+arrived as: the same picture sent as PNG, as a data URI or from a file gets one identity, so its
+KV blocks are shared across requests and the router can find them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+HASH_DOMAIN = b"mmhandoff.image.v1\0"
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message is safe to show to a client."""
+
+    code = "invalid_image"
+
+
+class ImageTooLarge(ImageError):
+    code = "image_too_large"
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int = 32 * 1024 * 1024
+    max_pixels: int = 50_000_000  # a 12 MP photo fits; decompression bombs do not
+
+
+@dataclass(frozen=True)
+class LoadedImage:
+    image: Image.Image  # RGB
+    content_hash: str
+    source_bytes: int
+
+
+def content_hash(image: Image.Image) -> str:
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    h = hashlib.sha256(HASH_DOMAIN)
+    h.update(f"{rgb.width}x{rgb.height}\0".encode())
+    h.update(rgb.tobytes())
+    return h.hexdigest()
+
+
+def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> LoadedImage:
+    if len(data) > limits.max_bytes:
+        raise ImageTooLarge(f"image is {len(data)} bytes; the limit is {limits.max_bytes}")
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            width, height = probe.size
+            if width * height > limits.max_pixels:
+                raise ImageTooLarge(
+                    f"image is {width}x{height} pixels; the limit is {limits.max_pixels}")
+            image = probe.convert("RGB")  # decodes fully; truncated files fail here
+    except ImageTooLarge:
+        raise
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
+        raise ImageError(f"data is not a readable image: {e}") from None
+    return LoadedImage(image=image, content_hash=content_hash(image), source_bytes=len(data))
+
+
+def load_image_ref(ref: str, limits: ImageLimits = ImageLimits()) -> LoadedImage:
+    """A data URI (`data:image/...;base64,...`) or a local file path (`file://` or plain)."""
+    if ref.startswith("data:"):
+        header, sep, body = ref.partition(",")
+        if not sep or ";base64" not in header:
+            raise ImageError("data URI must be base64: data:image/<type>;base64,<data>")
+        if len(body) > limits.max_bytes * 4 // 3 + 4:
+            raise ImageTooLarge(f"image data URI is over the {limits.max_bytes}-byte limit")
+        try:
+            data = base64.b64decode(body, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError("data URI holds invalid base64") from None
+        return decode_image(data, limits)
+    if ref.startswith(("http://", "https://")):
+        raise ImageError("image URLs are fetched by the frontend; the worker takes data URIs "
+                         "and local files")
+    path = Path(ref[len("file://"):] if ref.startswith("file://") else ref)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise ImageError(f"cannot read image file {str(path)!r}: {e.strerror}") from None
+    if size > limits.max_bytes:
+        raise ImageTooLarge(f"image file is {size} bytes; the limit is {limits.max_bytes}")
+    return decode_image(path.read_bytes(), limits)

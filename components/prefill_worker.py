@@ -1,0 +1,111 @@
+"""Encode/prefill worker: the whole VLM; turns a chat request with images into a Handoff.
+
+It renders the messages, gives every image its content hash as identifier, runs prefill with
+`max_tokens=1` and `do_remote_decode` (the NIXL producer then holds the blocks until decode pulls
+them or the lease ends), and answers with a Handoff that carries no media.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from components.handoff import VERSION, Handoff, Sampling
+from components.images import ImageError, ImageLimits, LoadedImage, load_image_ref
+from components.protocol import PrefillRequest, PrefillStats
+from components.vllm_adapter import model_fingerprint, render_prompt, sampling_params
+
+
+class PrefillError(RuntimeError):
+    code = "prefill_failed"
+
+
+def split_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Chat messages with image parts replaced by `{"type": "image"}`, and the image refs in order."""
+    if not isinstance(messages, list) or not messages:
+        raise ImageError("messages must be a non-empty list")
+    refs: list[str] = []
+    out = []
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise ImageError("each message needs a role")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image_url":
+                    url = part.get("image_url")
+                    refs.append(url.get("url") if isinstance(url, dict) else url)
+                    parts.append({"type": "image"})
+                elif kind == "image":
+                    refs.append(part.get("image"))
+                    parts.append({"type": "image"})
+                elif kind == "text":
+                    parts.append({"type": "text", "text": str(part.get("text", ""))})
+                else:
+                    raise ImageError(f"unsupported content part type {kind!r}")
+            message = {**message, "content": parts}
+        out.append(message)
+    if any(not isinstance(r, str) or not r for r in refs):
+        raise ImageError("an image part has no URL or path")
+    return out, refs
+
+
+class PrefillWorker:
+    def __init__(self, engine, *, limits: ImageLimits = ImageLimits()) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.fingerprint = model_fingerprint(engine)
+        self.tokenizer = engine.renderer.get_tokenizer()
+
+    async def prepare(self, request: PrefillRequest) -> tuple[str, list[LoadedImage]]:
+        """The prompt text and the decoded images (off the event loop: decoding is CPU work)."""
+        messages, refs = split_messages(request.messages)
+        prompt = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True)
+        images = await asyncio.to_thread(lambda: [load_image_ref(r, self.limits) for r in refs])
+        return prompt, images
+
+    async def generate(self, request: PrefillRequest) -> AsyncIterator[tuple[Handoff, PrefillStats]]:
+        t0 = time.perf_counter()
+        prompt, images = await self.prepare(request)
+        rendered = await render_prompt(
+            self.engine, prompt, [i.image for i in images], [i.content_hash for i in images])
+        t1 = time.perf_counter()
+        params = sampling_params(request.sampling, max_tokens=1,
+                                 kv_transfer_params={"do_remote_decode": True})
+        final = None
+        engine_request_id = f"{request.request_id}:prefill:{uuid.uuid4().hex[:8]}"
+        async for output in self.engine.generate(rendered.engine_input, params, engine_request_id):
+            final = output
+        if final is None or not final.kv_transfer_params:
+            raise PrefillError(f"prefill of {request.request_id} returned no KV transfer params")
+        handoff = Handoff(
+            v=VERSION,
+            request_id=request.request_id,
+            model_fingerprint=self.fingerprint,
+            token_ids=rendered.token_ids,
+            features=rendered.features,
+            requires_kv=True,
+            kv_transfer_params=final.kv_transfer_params,
+            sampling=request.sampling,
+            cache_salt=request.cache_salt,
+        )
+        stats = PrefillStats(
+            images=len(images), image_bytes=sum(i.source_bytes for i in images),
+            prompt_tokens=len(rendered.token_ids), prepare_ms=(t1 - t0) * 1e3,
+            prefill_ms=(time.perf_counter() - t1) * 1e3,
+        )
+        yield handoff, stats
+
+    async def handoff(self, request: PrefillRequest) -> tuple[Handoff, PrefillStats]:
+        async for item in self.generate(request):
+            return item
+        raise PrefillError("prefill produced nothing")
+
+
+def default_sampling(max_tokens: int = 32) -> Sampling:
+    return Sampling(max_tokens=max_tokens, temperature=0.0)

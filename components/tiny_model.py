@@ -1,0 +1,188 @@
+"""A tiny random-weight LLaVA-1.5-layout model, built locally and byte-identical on every build.
+
+No model can be downloaded on our machines, so tests, the demo and CPU benchmarks use this one:
+a CLIP vision tower (112 px, patch 14: 64 image tokens), a 2-layer Llama (hidden 128, head dim 64)
+and a byte-level BPE tokenizer trained on a fixed corpus with `<image>` in its vocabulary. The
+weights are random (fixed seed): outputs are gibberish but deterministic, which is all parity
+tests need.
+
+`ensure_tiny_model()` builds once into a cache folder (atomically: a half-built folder is never
+used) and returns its path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+# Bump when anything below changes: the cache folder is keyed by it.
+BUILD_VERSION = "1"
+IMAGE_SIZE = 112
+PATCH_SIZE = 14
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
+VOCAB_SIZE = 512
+SEED = 1234
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}SYSTEM: {% elif message['role'] == 'user' %}USER: "
+    "{% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+_CORPUS = [
+    "USER: <image>\nWhat is shown in this image? ASSISTANT: A picture of a cat on a red sofa.",
+    "SYSTEM: You are a helpful assistant that describes pictures briefly and precisely.",
+    "Describe the colours, the shapes and the objects. Compare the two images. Count the dots.",
+    "The quick brown fox jumps over the lazy dog. 0123456789 !?.,;:'\"()[]{}<>/\\-_+=*&^%$#@~`|",
+]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("MMHANDOFF_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mmhandoff"
+    )
+    return Path(root) / f"tiny-llava-v{BUILD_VERSION}"
+
+
+def ensure_tiny_model(path: str | os.PathLike | None = None) -> Path:
+    """Return a folder holding the tiny model, building it there first if it is missing."""
+    target = Path(path) if path is not None else default_cache_dir()
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        build_tiny_model(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def build_tiny_model(out: Path) -> None:
+    """Write config, weights, tokenizer and processor files into `out` (an existing folder)."""
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    out = Path(out)
+    tokenizer = _build_tokenizer()
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+
+    vision = CLIPVisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=64, initializer_range=0.5,
+    )
+    text = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+        initializer_range=0.5,  # large random weights: greedy outputs vary with the input
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=image_token_id,
+        image_seq_length=IMAGE_TOKENS, vision_feature_layer=-2,
+        vision_feature_select_strategy="default", projector_hidden_act="gelu",
+    )
+    config.architectures = ["LlavaForConditionalGeneration"]
+
+    torch.manual_seed(SEED)
+    model = LlavaForConditionalGeneration(config).to(torch.bfloat16).eval()
+    # vLLM's LLaVA loader expects the HF-1.x key layout (vision_tower.vision_model.*,
+    # language_model.model.*, language_model.lm_head), not transformers 5's nested layout.
+    state = {_legacy_key(k): v.contiguous() for k, v in model.state_dict().items()}
+    from safetensors.torch import save_file
+
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    json.dump(
+        {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+         "pad_token_id": tokenizer.pad_token_id},
+        open(out / "generation_config.json", "w"), indent=2, sort_keys=True,
+    )
+
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    processor = CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+    )
+    processor.save_pretrained(out)
+    json.dump(
+        {"processor_class": "LlavaProcessor", "patch_size": PATCH_SIZE,
+         "vision_feature_select_strategy": "default", "image_token": "<image>",
+         "num_additional_image_tokens": 1},
+        open(out / "processor_config.json", "w"), indent=2, sort_keys=True,
+    )
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    _drop_volatile_fields(out)
+
+
+def _legacy_key(key: str) -> str:
+    if key.startswith("model.vision_tower."):
+        rest = key[len("model.vision_tower."):]
+        return "vision_tower." + (rest if rest.startswith("vision_model.") else "vision_model." + rest)
+    if key.startswith("model.multi_modal_projector."):
+        return "multi_modal_projector." + key[len("model.multi_modal_projector."):]
+    if key.startswith("model.language_model."):
+        return "language_model.model." + key[len("model.language_model."):]
+    if key.startswith("lm_head."):
+        return "language_model." + key
+    return key
+
+
+def _build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>", additional_special_tokens=["<image>"],
+    )
+
+
+def _drop_volatile_fields(out: Path) -> None:
+    """Remove the library version stamps so the files depend only on this module."""
+    for name in ("config.json", "tokenizer_config.json", "preprocessor_config.json"):
+        path = out / name
+        if path.exists():
+            data = json.loads(path.read_text())
+            data.pop("transformers_version", None)
+            path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def tree_digest(folder: str | os.PathLike) -> str:
+    """sha256 over every file's relative name and bytes: equal digests mean identical builds."""
+    h = hashlib.sha256()
+    for p in sorted(Path(folder).rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(folder)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()

@@ -1,0 +1,22 @@
+"""Everything that touches vLLM lives here; a vLLM upgrade should touch only this package.
+
+- engine: EngineSpec and start_engine (engine arguments per role, NIXL settings, environment)
+- inputs: prompt rendering, the metadata-only decode request, output helpers
+- scheduler: FailClosedScheduler (loaded by the decode engine through `scheduler_cls`)
+"""
+
+from components.vllm_adapter.engine import EngineSpec, start_engine
+from components.vllm_adapter.inputs import (
+    RenderedPrompt,
+    kv_coverage_cause,
+    kv_only_request,
+    kv_stats,
+    model_fingerprint,
+    render_prompt,
+    sampling_params,
+)
+
+__all__ = [
+    "EngineSpec", "RenderedPrompt", "kv_coverage_cause", "kv_only_request", "kv_stats",
+    "model_fingerprint", "render_prompt", "sampling_params", "start_engine",
+]

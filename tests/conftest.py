@@ -1,0 +1,131 @@
+"""Shared test harness: real vLLM engines (started once per session), real NIXL over loopback.
+
+Engines are AsyncLLMs driven from one background event loop thread; tests submit coroutines to it
+with a timeout, so a hung transfer fails a test instead of hanging the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+# Nothing in the tests may reach another address: loopback only.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+for _var in ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST"):
+    os.environ.setdefault(_var, "127.0.0.1")
+# Lets a test ask a worker process what its model holds (collective_rpc with a function).
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Loop:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="engines")
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def loop():
+    lp = Loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from components.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+@dataclass
+class Engines:
+    prefill: Any
+    decode: Any
+    full: Any  # the whole VLM as KV consumer: aggregated reference and full-media decode arm
+    prefill_events: Any
+    decode_events: Any
+    lease_s: int
+
+
+def start(loop: Loop, spec) -> Any:
+    from components.vllm_adapter import start_engine
+
+    async def _start():
+        return start_engine(spec)
+
+    return loop.run(_start(), timeout=300)
+
+
+@pytest.fixture(scope="session")
+def engines(loop, tiny_model):
+    from components.kv_events import KVEventSubscriber
+    from components.vllm_adapter import EngineSpec
+
+    lease_s = 8
+    p_events, d_events = free_port(), free_port()
+    common = dict(model=tiny_model, dtype="float32", kv_cache_gib=1)
+    prefill = start(loop, EngineSpec(role="prefill", cpu_cores="0", nixl_port=free_port(),
+                                     kv_lease_s=lease_s, kv_events_endpoint=f"tcp://*:{p_events}",
+                                     **common))
+    decode = start(loop, EngineSpec(role="decode", cpu_cores="1", nixl_port=free_port(),
+                                    kv_events_endpoint=f"tcp://*:{d_events}", **common))
+    full = start(loop, EngineSpec(role="full_media_decode", cpu_cores="1", nixl_port=free_port(),
+                                  **common))
+    e = Engines(prefill, decode, full,
+                KVEventSubscriber(f"tcp://127.0.0.1:{p_events}"),
+                KVEventSubscriber(f"tcp://127.0.0.1:{d_events}"), lease_s)
+    yield e
+    for sub in (e.prefill_events, e.decode_events):
+        sub.close()
+    for engine in (prefill, decode, full):
+        engine.shutdown()
+
+
+# ---- images ----------------------------------------------------------------------------------------
+def make_image(width: int, height: int, seed: int) -> Image.Image:
+    """A photo-like picture (smooth gradients plus noise) so JPEG sizes are realistic."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([(x / width) * 255, (y / height) * 255, ((x + y) / (width + height)) * 255], -1)
+    noise = rng.normal(0, 24, size=(height, width, 3)).astype(np.float32)
+    tint = rng.uniform(0.3, 1.0, size=3).astype(np.float32)
+    return Image.fromarray(np.clip(base * tint + noise, 0, 255).astype(np.uint8))
+
+
+def encode(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, quality=90) if fmt == "JPEG" else image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def chat(text: str, *uris: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in uris]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]

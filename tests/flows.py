@@ -1,0 +1,47 @@
+"""The three ways a test runs one request: handoff, aggregated, and full-media P/D."""
+
+from __future__ import annotations
+
+import msgspec
+
+from components.decode_worker import collect
+from components.handoff import Sampling
+from components.protocol import FullMediaRequest, PrefillRequest
+from components.vllm_adapter import sampling_params
+
+
+def greedy(max_tokens: int = 32, **kw) -> Sampling:
+    return Sampling(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+async def handoff_run(prefill, decode, request_id, messages, sampling):
+    handoff, _ = await prefill.handoff(
+        PrefillRequest(request_id=request_id, messages=messages, sampling=sampling))
+    tokens, last = await collect(decode.generate(handoff))
+    return tokens, last, handoff
+
+
+async def agg_run(prefill, full_engine, request_id, messages, sampling):
+    """The whole request on one engine, no KV transfer: the reference."""
+    prompt, images = await prefill.prepare(
+        PrefillRequest(request_id=request_id, messages=messages, sampling=sampling))
+    item = {"prompt": prompt}
+    if images:
+        item["multi_modal_data"] = {"image": [i.image for i in images]}
+    final = None
+    async for out in full_engine.generate(item, sampling_params(sampling), f"{request_id}:agg"):
+        final = out
+    return list(final.outputs[0].token_ids)
+
+
+async def full_media_run(prefill, full_worker, request_id, messages, sampling, image_bytes):
+    """P/D where decode receives the media again and re-processes it."""
+    handoff, _ = await prefill.handoff(
+        PrefillRequest(request_id=request_id, messages=messages, sampling=sampling))
+    prompt, _ = await prefill.prepare(
+        PrefillRequest(request_id=request_id, messages=messages, sampling=sampling))
+    wire = msgspec.msgpack.encode(FullMediaRequest(
+        request_id=request_id, prompt=prompt, images=image_bytes,
+        kv_transfer_params=handoff.kv_transfer_params, sampling=sampling))
+    tokens, last = await collect(full_worker.generate(wire))
+    return tokens, last

@@ -1,0 +1,136 @@
+"""The handoff on real engines: parity, hash parity, KV really moves, decode has no encoder."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from components.decode_worker import DecodeWorker, FullMediaDecodeWorker
+from components.prefill_worker import PrefillWorker
+from tests.conftest import chat, data_uri, encode, make_image
+from tests.flows import agg_run, full_media_run, greedy, handoff_run
+
+
+@pytest.fixture(scope="session")
+def workers(engines):
+    return (PrefillWorker(engines.prefill), DecodeWorker(engines.decode, kv_deadline_s=30),
+            FullMediaDecodeWorker(engines.full, kv_deadline_s=30))
+
+
+CASES = {
+    "640x480-png": [(640, 480, "PNG", 1)],
+    "224x224-png": [(224, 224, "PNG", 2)],
+    "12mp-jpeg": [(4000, 3000, "JPEG", 3)],
+    "two-images": [(320, 240, "PNG", 4), (800, 600, "JPEG", 5)],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_handoff_agg_full_media(loop, workers, engines, case):
+    prefill, decode, full = workers
+    blobs = [encode(make_image(w, h, seed), fmt) for w, h, fmt, seed in CASES[case]]
+    mimes = ["image/jpeg" if b[:2] == b"\xff\xd8" else "image/png" for b in blobs]
+    messages = chat("Describe the pictures.", *(data_uri(b, m) for b, m in zip(blobs, mimes)))
+    s = greedy(32, ignore_eos=True)
+    handoff_tokens, last, handoff = loop.run(handoff_run(prefill, decode, f"par-{case}", messages, s))
+    agg_tokens = loop.run(agg_run(prefill, engines.full, f"par-{case}", messages, s))
+    full_tokens, _ = loop.run(full_media_run(prefill, full, f"par-{case}", messages, s, blobs))
+    assert len(agg_tokens) == 32
+    assert handoff_tokens == agg_tokens == full_tokens
+    # the decode tier got metadata only: one hash and one span per image, no pixels
+    assert len(handoff.features.mm_hashes["image"]) == len(blobs)
+    assert last.stats.request_bytes < 4096 < sum(map(len, blobs))
+
+
+def test_different_images_give_different_answers(loop, workers):
+    """Guards the parity test: the tiny model's output must depend on the image."""
+    prefill, decode, _ = workers
+    outs = [loop.run(handoff_run(prefill, decode, f"diff-{i}",
+                                 chat("What is it?", data_uri(encode(make_image(64, 64, 100 + i)))),
+                                 greedy(16, ignore_eos=True)))[0] for i in range(2)]
+    assert outs[0] != outs[1]
+
+
+def _blocks_for(sub, token_ids, block_size=32):
+    """Hashes of the full blocks of `token_ids` that `sub` saw stored, in prompt order."""
+    full = len(token_ids) // block_size
+    wanted = [tuple(token_ids[i * block_size:(i + 1) * block_size]) for i in range(full)]
+    seen = {}
+    for b in sub.stored():
+        seen.setdefault(b.token_ids, []).append(b)
+    return wanted, seen
+
+
+def _wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_block_hashes_equal_on_prefill_and_decode(loop, workers, engines):
+    prefill, decode, _ = workers
+    uri = data_uri(encode(make_image(300, 200, 7)))
+    tokens, last, h = loop.run(handoff_run(prefill, decode, "hash-a", chat("Hash me.", uri),
+                                           greedy(4)))
+    full_blocks = len(h.token_ids) // 32
+    assert full_blocks >= 2
+
+    def hashes(sub):
+        found = []
+        parent = None
+        for i in range(full_blocks):
+            block_tokens = tuple(h.token_ids[i * 32:(i + 1) * 32])
+            match = [b for b in sub.stored() if b.token_ids == block_tokens and b.parent == parent]
+            if not match:
+                return None
+            found.append(match[-1].block_hash)
+            parent = match[-1].block_hash
+        return found
+
+    assert _wait_for(lambda: hashes(engines.prefill_events) and hashes(engines.decode_events))
+    p_hashes, d_hashes = hashes(engines.prefill_events), hashes(engines.decode_events)
+    assert p_hashes == d_hashes
+    # the image's identity is part of the hash: the blocks holding image tokens carry it
+    image_hash = h.features.mm_hashes["image"][0]
+    extra = [b.extra_keys for b in engines.decode_events.stored() if b.block_hash in d_hashes]
+    assert any(e and any(image_hash in map(str, k) for k in e) for e in extra)
+
+    # the same text with another image: same token ids, different block hashes
+    uri2 = data_uri(encode(make_image(300, 200, 8)))
+    _, _, h2 = loop.run(handoff_run(prefill, decode, "hash-b", chat("Hash me.", uri2), greedy(4)))
+    assert h2.token_ids == h.token_ids
+    assert h2.features.mm_hashes != h.features.mm_hashes
+    h_saved = h
+    h = h2
+    assert _wait_for(lambda: hashes(engines.decode_events) is not None)
+    assert set(hashes(engines.decode_events)).isdisjoint(d_hashes)
+    h = h_saved
+
+
+def test_kv_really_moves_and_local_cache_is_reused(loop, workers):
+    prefill, decode, _ = workers
+    uri = data_uri(encode(make_image(500, 400, 11)))
+    first_tokens, first, h = loop.run(
+        handoff_run(prefill, decode, "move-1", chat("First look.", uri), greedy(8)))
+    span = h.features.mm_placeholders["image"][0]
+    image_blocks_end = ((span.offset + span.length) // 32) * 32  # full blocks holding image tokens
+    assert first.stats.kv_tokens_pulled >= image_blocks_end > 0
+    assert first.stats.kv_positions_covered >= span.offset + span.length
+    # same image, same decode engine: the image blocks now come from its own prefix cache
+    _, second, _ = loop.run(
+        handoff_run(prefill, decode, "move-2", chat("First look.", uri), greedy(8)))
+    assert second.stats.kv_tokens_local >= image_blocks_end
+    assert second.stats.kv_tokens_pulled < first.stats.kv_tokens_pulled
+
+
+def test_decode_engine_has_no_vision_tower(loop, engines):
+    def tower(worker):
+        model = worker.model_runner.model
+        return type(getattr(model, "vision_tower", None)).__name__
+
+    assert loop.run(engines.decode.collective_rpc(tower)) == ["StageMissingLayer"]
+    assert loop.run(engines.full.collective_rpc(tower)) != ["StageMissingLayer"]
