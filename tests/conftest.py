@@ -69,13 +69,14 @@ class Engines:
     prefill_events: Any
     decode_events: Any
     lease_s: int
+    prefill_load: Any
 
 
-def start(loop: Loop, spec) -> Any:
+def start(loop: Loop, spec, load=None) -> Any:
     from components.vllm_adapter import start_engine
 
     async def _start():
-        return start_engine(spec)
+        return start_engine(spec, load)
 
     return loop.run(_start(), timeout=300)
 
@@ -83,21 +84,22 @@ def start(loop: Loop, spec) -> Any:
 @pytest.fixture(scope="session")
 def engines(loop, tiny_model):
     from components.kv_events import KVEventSubscriber
-    from components.vllm_adapter import EngineSpec
+    from components.vllm_adapter import EngineLoad, EngineSpec
 
     lease_s = 8
+    prefill_load = EngineLoad()
     p_events, d_events = free_port(), free_port()
     common = dict(model=tiny_model, dtype="float32", kv_cache_gib=1)
     prefill = start(loop, EngineSpec(role="prefill", cpu_cores="0", nixl_port=free_port(),
                                      kv_lease_s=lease_s, kv_events_endpoint=f"tcp://*:{p_events}",
-                                     **common))
+                                     **common), prefill_load)
     decode = start(loop, EngineSpec(role="decode", cpu_cores="1", nixl_port=free_port(),
                                     kv_events_endpoint=f"tcp://*:{d_events}", **common))
     full = start(loop, EngineSpec(role="full_media_decode", cpu_cores="1", nixl_port=free_port(),
                                   **common))
     e = Engines(prefill, decode, full,
                 KVEventSubscriber(f"tcp://127.0.0.1:{p_events}"),
-                KVEventSubscriber(f"tcp://127.0.0.1:{d_events}"), lease_s)
+                KVEventSubscriber(f"tcp://127.0.0.1:{d_events}"), lease_s, prefill_load)
     yield e
     for sub in (e.prefill_events, e.decode_events):
         sub.close()

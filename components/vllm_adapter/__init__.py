@@ -2,10 +2,12 @@
 
 - engine: EngineSpec and start_engine (engine arguments per role, NIXL settings, environment)
 - inputs: prompt rendering, the metadata-only decode request, output helpers
+- load: EngineLoad (an engine's KV usage and queue lengths, from its stat stream)
 - scheduler: FailClosedScheduler (loaded by the decode engine through `scheduler_cls`)
 """
 
 from components.vllm_adapter.engine import EngineSpec, start_engine
+from components.vllm_adapter.load import EngineLoad
 from components.vllm_adapter.inputs import (
     RenderedPrompt,
     kv_coverage_cause,
@@ -17,6 +19,6 @@ from components.vllm_adapter.inputs import (
 )
 
 __all__ = [
-    "EngineSpec", "RenderedPrompt", "kv_coverage_cause", "kv_only_request", "kv_stats",
+    "EngineLoad", "EngineSpec", "RenderedPrompt", "kv_coverage_cause", "kv_only_request", "kv_stats",
     "model_fingerprint", "render_prompt", "sampling_params", "start_engine",
 ]

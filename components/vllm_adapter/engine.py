@@ -139,9 +139,11 @@ def _patched_environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def start_engine(spec: EngineSpec):
-    """Start an AsyncLLM for `spec` (blocks until its core is up, ~25 s for the tiny model on CPU)."""
+def start_engine(spec: EngineSpec, load=None):
+    """Start an AsyncLLM for `spec` (blocks until its core is up, ~25 s for the tiny model on CPU).
+    `load`, an EngineLoad, is kept up to date with the engine's scheduler stats."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    loggers = [load.logger_factory()] if load is not None else None
     with _patched_environ(engine_env(spec)):
-        return AsyncLLM.from_engine_args(engine_args(spec))
+        return AsyncLLM.from_engine_args(engine_args(spec), stat_loggers=loggers)

@@ -1,0 +1,57 @@
+"""Admission on a live decode engine: each refused handoff gets its typed error before the engine
+sees it, and the engine keeps answering correctly."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from components.decode_worker import DecodeWorker, collect
+from components.handoff import (
+    EmptyHash, FingerprintMismatch, PayloadPresent, Sampling, SpanOutOfRange,
+    SpanReachesFinalToken, UnsupportedRequest, UnsupportedVersion, encode_handoff,
+)
+from components.prefill_worker import PrefillWorker
+from components.protocol import PrefillRequest
+from tests.conftest import chat, data_uri, encode, make_image
+from tests.flows import agg_run, greedy
+
+
+@pytest.fixture(scope="module")
+def parts(loop, engines):
+    prefill = PrefillWorker(engines.prefill)
+    messages = chat("Admit me?", data_uri(encode(make_image(120, 90, 42))))
+    s = greedy(8, ignore_eos=True)
+    h, _ = loop.run(prefill.handoff(PrefillRequest(request_id="adm", messages=messages, sampling=s)))
+    return prefill, DecodeWorker(engines.decode), h, messages, s
+
+
+def _span(h, **kw):
+    span = h.features.mm_placeholders["image"][0]
+    return {**msgspec.to_builtins(span), **kw}
+
+
+CASES = {
+    "payload": (lambda d, h: d["features"].update(mm_kwargs={"image": [b"\x01" * 100]}),
+                PayloadPresent),
+    "empty-hash": (lambda d, h: d["features"]["mm_hashes"].update(image=[""]), EmptyHash),
+    "span-out-of-range": (lambda d, h: d["features"]["mm_placeholders"].update(
+        image=[_span(h, offset=len(h.token_ids) + 5)]), SpanOutOfRange),
+    "span-reaches-final": (lambda d, h: d["features"]["mm_placeholders"].update(
+        image=[_span(h, length=len(h.token_ids) - _span(h)["offset"])]), SpanReachesFinalToken),
+    "prompt-logprobs": (lambda d, h: d["sampling"].update(prompt_logprobs=1), UnsupportedRequest),
+    "wrong-fingerprint": (lambda d, h: d.update(model_fingerprint="0" * 64), FingerprintMismatch),
+    "unknown-version": (lambda d, h: d.update(v=99), UnsupportedVersion),
+}
+
+
+def test_each_bad_handoff_is_refused_and_the_engine_is_unaffected(loop, engines, parts):
+    prefill, decode, h, messages, s = parts
+    for name, (mutate, error) in CASES.items():
+        d = msgspec.to_builtins(h)
+        mutate(d, h)
+        with pytest.raises(error):
+            loop.run(collect(decode.generate(msgspec.msgpack.encode(d))))
+    # the original handoff (its blocks still held by prefill) is still served, and correctly
+    tokens, _ = loop.run(collect(decode.generate(encode_handoff(h))))
+    assert tokens == loop.run(agg_run(prefill, engines.full, "adm", messages, s))

@@ -1,0 +1,64 @@
+"""Prefill holds a handoff's KV blocks until decode pulls them or the lease ends; never longer."""
+
+from __future__ import annotations
+
+import time
+
+from vllm import SamplingParams
+
+from components.decode_worker import DecodeWorker, collect
+from components.prefill_worker import PrefillWorker
+from components.protocol import PrefillRequest
+from tests.conftest import chat, data_uri, encode, make_image
+from tests.flows import greedy
+
+
+def _usage_after_step(loop, engine, load, tag):
+    """Run one tiny text request so the engine steps (and frees what it may), return KV usage."""
+    async def poke():
+        async for _ in engine.generate({"prompt": "hi"}, SamplingParams(max_tokens=1), tag):
+            pass
+
+    loop.run(poke())
+    return load.kv_cache_usage
+
+
+def _handoffs(loop, prefill, prefix, n):
+    async def run():
+        return [(await prefill.handoff(PrefillRequest(
+            request_id=f"{prefix}-{i}", sampling=greedy(4),
+            messages=chat("Lease?", data_uri(encode(make_image(160, 120, 300 + i)))))))[0]
+            for i in range(n)]
+    return loop.run(run())
+
+
+def _wait_until(loop, engines, predicate, timeout):
+    deadline = time.monotonic() + timeout
+    i = 0
+    while time.monotonic() < deadline:
+        i += 1
+        if predicate(_usage_after_step(loop, engines.prefill, engines.prefill_load, f"poke-{i}")):
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def test_blocks_freed_after_pull_and_after_lease(loop, engines):
+    prefill = PrefillWorker(engines.prefill)
+    base = _usage_after_step(loop, engines.prefill, engines.prefill_load, "poke-base")
+
+    # a burst that nobody pulls: held now, released once the lease ends
+    _handoffs(loop, prefill, "unpulled", 6)
+    held = _usage_after_step(loop, engines.prefill, engines.prefill_load, "poke-held")
+    assert held > base
+    t0 = time.monotonic()
+    assert _wait_until(loop, engines, lambda u: u <= base, timeout=engines.lease_s + 20)
+    assert time.monotonic() - t0 >= engines.lease_s - 2  # not before the lease either
+
+    # pulled handoffs: released as soon as decode has read them, well before the lease
+    decode = DecodeWorker(engines.decode)
+    for h in _handoffs(loop, prefill, "pulled", 3):
+        loop.run(collect(decode.generate(h)))
+    t0 = time.monotonic()
+    assert _wait_until(loop, engines, lambda u: u <= base, timeout=engines.lease_s)
+    assert time.monotonic() - t0 < engines.lease_s - 2
