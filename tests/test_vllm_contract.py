@@ -1,0 +1,68 @@
+"""The vLLM internals the adapter leans on. If a vLLM upgrade changes one of them, this fails with
+a message naming it (the engine tests would fail too, but less clearly)."""
+
+from __future__ import annotations
+
+import inspect
+
+import msgspec
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def test_scheduler_hooks_used_by_the_fail_closed_scheduler():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert _params(Scheduler._try_schedule_encoder_inputs)[:5] == [
+        "self", "request", "num_computed_tokens", "num_new_tokens", "encoder_compute_budget"], \
+        "Scheduler._try_schedule_encoder_inputs changed its signature"
+    src = inspect.getsource(Scheduler._try_schedule_encoder_inputs)
+    assert "if num_new_tokens == 0" in src, "the zero-token early return is gone"
+    assert _params(Scheduler.finish_requests)[1:] == ["request_ids", "finished_status"]
+    assert _params(Scheduler.update_from_output)[1:] == ["scheduler_output", "model_runner_output"]
+    schedule = inspect.getsource(Scheduler.schedule)
+    assert schedule.count("self._try_schedule_encoder_inputs(") == 2, \
+        "schedule() no longer asks _try_schedule_encoder_inputs in both the running and waiting loop"
+
+
+def test_request_and_output_fields():
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+    from vllm.v1.request import Request, RequestStatus
+
+    fields = set(EngineCoreOutput.__struct_fields__)
+    assert {"stop_reason", "kv_transfer_params", "finish_reason"} <= fields
+    assert FinishReason.ERROR and RequestStatus.FINISHED_ERROR
+    spec = set(inspect.signature(MultiModalFeatureSpec).parameters)
+    assert {"data", "modality", "identifier", "mm_position", "mm_hash"} <= spec
+    init = inspect.getsource(Request.__init__)
+    for attr in ("self.mm_features", "self.num_preemptions", "self.prefill_stats"):
+        assert attr in init, f"Request no longer has {attr}"
+
+
+def test_engine_surfaces():
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    assert "stat_loggers" in _params(AsyncLLM.from_engine_args)
+    assert "supported_tasks" in _params(InputProcessor.process_inputs)
+    src = inspect.getsource(AsyncLLM.add_request)
+    assert "isinstance(prompt, EngineCoreRequest)" in src, "EngineCoreRequest input path removed"
+
+
+def test_nixl_settings_we_pass_are_read():
+    import vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler as sched
+    import vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker as worker
+
+    assert '"kv_lease_duration"' in inspect.getsource(sched)
+    assert '"num_threads"' in inspect.getsource(worker)
+
+
+def test_kv_event_wire_type():
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    assert {"block_hashes", "parent_block_hash", "token_ids", "block_size", "extra_keys"} <= set(
+        BlockStored.__struct_fields__)
+    assert issubclass(KVEventBatch, msgspec.Struct)
