@@ -56,6 +56,7 @@ class DecodeWorker:
         self.kv_deadline_s = kv_deadline_s
         self.key = key
         self.fingerprint = model_fingerprint(engine)
+        self._tasks: tuple | None = None
 
     def admit(self, message: Handoff | bytes) -> tuple[Handoff, int]:
         """Decode (if bytes) and check a handoff; raise a HandoffError if it is refused."""
@@ -69,10 +70,12 @@ class DecodeWorker:
         return handoff, len(wire)
 
     async def generate(self, message: Handoff | bytes) -> AsyncIterator[DecodeChunk]:
+        if self._tasks is None:
+            self._tasks = tuple(await self.engine.get_supported_tasks())
         t0 = time.perf_counter()
         handoff, size = self.admit(message)
         engine_request_id = f"{handoff.request_id}:decode:{uuid.uuid4().hex[:8]}"
-        request = await kv_only_request(self.engine, handoff, engine_request_id)
+        request = kv_only_request(self.engine, handoff, engine_request_id, self._tasks)
         prepare_ms = (time.perf_counter() - t0) * 1e3
         async for chunk in self._stream(handoff.request_id, request, request.sampling_params,
                                         engine_request_id, size, prepare_ms, t0):

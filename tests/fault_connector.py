@@ -5,7 +5,7 @@ Loaded by a decode engine through `kv_connector_module_path`. A request whose id
 failed, exactly as NIXL reports a transfer error, so vLLM's failure path runs for real.
 """
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+from components.vllm_adapter.connector import MMHandoffNixlConnector
 
 MARK = "inject-load-failure"
 
@@ -18,7 +18,7 @@ def _flatten(block_ids):
             yield int(item)
 
 
-class FaultInjectingNixlConnector(NixlConnector):
+class FaultInjectingNixlConnector(MMHandoffNixlConnector):
     def start_load_kv(self, forward_context, **kwargs):
         injected = getattr(self, "_injected", set())
         for req_id, meta in self._connector_metadata.reqs_to_recv.items():

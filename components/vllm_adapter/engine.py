@@ -24,6 +24,7 @@ Role = Literal["agg", "prefill", "decode", "full_media_decode"]
 ROLES: tuple[Role, ...] = ("agg", "prefill", "decode", "full_media_decode")
 
 FAIL_CLOSED_SCHEDULER = "components.vllm_adapter.scheduler.FailClosedScheduler"
+CONNECTOR = "components.vllm_adapter.connector.MMHandoffNixlConnector"
 
 
 @dataclass
@@ -43,11 +44,14 @@ class EngineSpec:
     cpu_cores: str | None = None  # e.g. "0" or "0-1" (VLLM_CPU_OMP_THREADS_BIND)
     nixl_port: int | None = None  # the NIXL side channel (handshake) port of this engine
     nixl_host: str = "127.0.0.1"
-    nixl_threads: int = 0  # UCX worker threads; vLLM's default 4 busy-poll and starve 2 cores
+    nixl_threads: int = 0  # extra UCX worker threads (vLLM's default is 4)
+    # NIXL's progress thread spins a core while idle (see connector.py). None: off on CPU
+    # machines (one host, shared-memory reads), on with GPUs (reads may cross hosts over TCP).
+    nixl_progress_thread: bool | None = None
     kv_buffer_device: str | None = None  # "cpu" on CPU machines, None = vLLM's default
     kv_lease_s: int | None = None  # how long prefill holds unpulled blocks
     kv_events_endpoint: str | None = None  # ZMQ endpoint for KV events ("tcp://*:port": bind)
-    connector_module: str | None = None  # a NixlConnector subclass (fault injection in tests)
+    connector_module: str | None = None  # default: CONNECTOR; tests inject faults with another
     gpu_memory_utilization: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs as is
 
@@ -83,20 +87,23 @@ def engine_args(spec: EngineSpec):
     if spec.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = spec.gpu_memory_utilization
     if spec.role != "agg":
-        extra: dict[str, Any] = {"num_threads": spec.nixl_threads, "backends": ["UCX"]}
+        progress = spec.nixl_progress_thread
+        extra: dict[str, Any] = {
+            "num_threads": spec.nixl_threads, "backends": ["UCX"],
+            "progress_thread": (not on_cpu()) if progress is None else progress,
+        }
         if spec.kv_lease_s is not None:
             extra["kv_lease_duration"] = spec.kv_lease_s
+        module = spec.connector_module or CONNECTOR
         connector = dict(
-            kv_connector="NixlConnector",
+            kv_connector=module.rsplit(".", 1)[1],
+            kv_connector_module_path=module.rsplit(".", 1)[0],
             kv_role="kv_producer" if spec.role == "prefill" else "kv_consumer",
             kv_load_failure_policy="fail",
             kv_connector_extra_config=extra,
         )
         if spec.kv_buffer_device or on_cpu():
             connector["kv_buffer_device"] = spec.kv_buffer_device or "cpu"
-        if spec.connector_module:
-            connector["kv_connector"] = spec.connector_module.rsplit(".", 1)[1]
-            connector["kv_connector_module_path"] = spec.connector_module.rsplit(".", 1)[0]
         kw["kv_transfer_config"] = KVTransferConfig(**connector)
     if spec.role == "decode":
         kw["limit_mm_per_prompt"] = {"image": 0}

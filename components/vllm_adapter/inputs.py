@@ -60,14 +60,15 @@ def sampling_params(s: Sampling, *, max_tokens: int | None = None,
     )
 
 
-async def kv_only_request(engine, h: Handoff, request_id: str):
-    """The decode engine's request for `h`: token ids plus data-less image features."""
+def kv_only_request(engine, h: Handoff, request_id: str, supported_tasks: tuple):
+    """The decode engine's request for `h`: token ids plus data-less image features.
+    `supported_tasks` is `await engine.get_supported_tasks()` (asked once: it is an engine RPC)."""
     params = sampling_params(h.sampling, kv_transfer_params=dict(h.kv_transfer_params))
     prompt = tokens_input(list(h.token_ids))
     if h.cache_salt is not None:
         prompt["cache_salt"] = h.cache_salt
     request = engine.input_processor.process_inputs(
-        request_id, prompt, params, supported_tasks=await engine.get_supported_tasks())
+        request_id, prompt, params, supported_tasks=supported_tasks)
     request.mm_features = [
         MultiModalFeatureSpec(
             data=None, modality=modality, identifier=digest, mm_hash=digest,
