@@ -125,6 +125,12 @@ class DecodeWorker:
             await self.engine.abort(engine_request_id)
 
 
+    async def handle(self, request: dict) -> AsyncIterator[dict]:
+        """Dynamo endpoint handler: a handoff in its builtin form in, DecodeChunk dicts out."""
+        async for chunk in self.generate(msgspec.msgpack.encode(request)):
+            yield msgspec.to_builtins(chunk)
+
+
 class FullMediaDecodeWorker(DecodeWorker):
     """The benchmark arm where decode receives the images and re-processes them, as P/D stacks
     do today. Same streaming and KV deadline; needs an engine with the vision tower."""
@@ -153,3 +159,21 @@ async def collect(chunks: AsyncIterator[DecodeChunk]) -> tuple[list[int], Decode
         last = chunk
     assert last is not None
     return tokens, last
+
+
+ENDPOINT = "decode.generate"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from components.handoff import HandoffError
+    from components.launch import run
+
+    def make_handler(engine, args):
+        return DecodeWorker(engine, kv_deadline_s=args.kv_deadline_s).handle
+
+    return run("decode_worker", "decode", ENDPOINT, make_handler,
+               (HandoffError, KVCoverageError), argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,7 +12,9 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from components.handoff import VERSION, Handoff, Sampling
+import msgspec
+
+from components.handoff import VERSION, Handoff
 from components.images import ImageError, ImageLimits, LoadedImage, load_image_ref
 from components.protocol import PrefillRequest, PrefillStats
 from components.vllm_adapter import model_fingerprint, render_prompt, sampling_params
@@ -20,6 +22,10 @@ from components.vllm_adapter import model_fingerprint, render_prompt, sampling_p
 
 class PrefillError(RuntimeError):
     code = "prefill_failed"
+
+
+class InvalidRequest(ValueError):
+    code = "invalid_request"
 
 
 def split_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -101,11 +107,34 @@ class PrefillWorker:
         )
         yield handoff, stats
 
+    async def handle(self, request: dict) -> AsyncIterator[dict]:
+        """Dynamo endpoint handler: a PrefillRequest in its builtin form in, one
+        `{"handoff": ..., "stats": ...}` out."""
+        try:
+            typed = msgspec.convert(request, PrefillRequest, strict=True)
+        except msgspec.ValidationError as e:
+            raise InvalidRequest(f"invalid prefill request: {e}") from None
+        async for handoff, stats in self.generate(typed):
+            yield {"handoff": msgspec.to_builtins(handoff), "stats": msgspec.to_builtins(stats)}
+
     async def handoff(self, request: PrefillRequest) -> tuple[Handoff, PrefillStats]:
         async for item in self.generate(request):
             return item
         raise PrefillError("prefill produced nothing")
 
 
-def default_sampling(max_tokens: int = 32) -> Sampling:
-    return Sampling(max_tokens=max_tokens, temperature=0.0)
+ENDPOINT = "prefill.generate"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from components.launch import run
+
+    def make_handler(engine, args):
+        return PrefillWorker(engine).handle
+
+    return run("prefill_worker", "prefill", ENDPOINT, make_handler,
+               (ImageError, InvalidRequest, PrefillError), argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""Running one component as its own process: `python -m components.<name> --model DIR ...`.
+
+Starts the component's engine, serves its handler on the Dynamo runtime, and on SIGINT/SIGTERM
+stops serving (in-flight requests finish), then shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import Callable
+
+
+def parser(role: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m components.{role}")
+    p.add_argument("--model", help="model folder (default: the tiny test model, built if missing)")
+    p.add_argument("--namespace", default="mmhandoff")
+    p.add_argument("--cpu-cores", help='CPU machines: cores for the engine, e.g. "0" or "0-1"')
+    p.add_argument("--nixl-port", type=int, help="NIXL side-channel port of this engine")
+    p.add_argument("--kv-lease-s", type=int, help="prefill: how long unpulled KV is held")
+    p.add_argument("--kv-deadline-s", type=float, default=30.0, help="decode: KV pull deadline")
+    p.add_argument("--discovery", help='Dynamo discovery backend ("file", "etcd", ...)')
+    p.add_argument("--request-plane", help='Dynamo request plane ("tcp" or "nats")')
+    return p
+
+
+def run(role: str, spec_role: str, endpoint: str, make_handler: Callable, errors: tuple,
+        argv: list[str] | None = None) -> int:
+    args = parser(role).parse_args(argv)
+    return asyncio.run(_serve(args, spec_role, endpoint, make_handler, errors))
+
+
+async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
+    from components.runtime import runtime, serve
+    from components.tiny_model import ensure_tiny_model
+    from components.vllm_adapter import EngineSpec, start_engine
+
+    spec = EngineSpec(model=args.model or str(ensure_tiny_model()), role=spec_role,
+                      cpu_cores=args.cpu_cores, nixl_port=args.nixl_port, kv_lease_s=args.kv_lease_s)
+    engine = start_engine(spec)
+    rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,
+                 request_plane=args.request_plane)
+    path = f"{args.namespace}.{endpoint}"
+    served = serve(rt, path, make_handler(engine, args), errors)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    print(f"[{path}] ready", file=sys.stderr, flush=True)
+    await stop.wait()
+    rt.shutdown()  # stops accepting; graceful endpoints let in-flight requests finish
+    try:
+        await asyncio.wait_for(served, 30)
+    except (asyncio.TimeoutError, Exception):
+        pass
+    engine.shutdown()
+    return 0

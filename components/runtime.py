@@ -1,0 +1,78 @@
+"""The Dynamo runtime side of a component: connect, serve one endpoint, carry typed errors.
+
+Dynamo endpoints carry JSON-like values. Our wire structs travel as their builtin form
+(`msgspec.to_builtins`) and are decoded strictly on arrival. An exception raised in a handler
+reaches the caller as a plain ValueError with the type name folded into the text, so handlers
+yield an error envelope instead (`{"error": {"code", "message", "cause"}}`) and `raise_for_error`
+turns it back into a typed exception on the client side.
+
+Defaults are for one host: file discovery in $DYN_FILE_KV, TCP request plane, every advertised
+address on loopback (nothing is reachable from, or reaches, another address unless configured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, AsyncIterator, Callable
+
+LOOPBACK_VARS = ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST")
+
+
+class RemoteError(RuntimeError):
+    """A typed error from another component; `code` says which rule or failure."""
+
+    def __init__(self, code: str, message: str, cause: str | None = None) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.cause = cause
+
+
+def error_envelope(exc: BaseException) -> dict[str, Any]:
+    return {"error": {"code": getattr(exc, "code", "internal"), "message": str(exc),
+                      "cause": getattr(exc, "cause", None)}}
+
+
+def raise_for_error(item: Any) -> Any:
+    if isinstance(item, dict) and isinstance(item.get("error"), dict):
+        e = item["error"]
+        raise RemoteError(str(e.get("code")), str(e.get("message")), e.get("cause"))
+    return item
+
+
+def runtime(loop: asyncio.AbstractEventLoop, *, discovery: str | None = None,
+            request_plane: str | None = None):
+    from dynamo.runtime import DistributedRuntime
+
+    for var in LOOPBACK_VARS:
+        os.environ.setdefault(var, "127.0.0.1")
+    return DistributedRuntime(
+        loop, discovery or os.environ.get("MMHANDOFF_DISCOVERY", "file"),
+        request_plane or os.environ.get("MMHANDOFF_REQUEST_PLANE", "tcp"))
+
+
+def serve(rt, path: str, handler: Callable[[Any], AsyncIterator[Any]],
+          errors: tuple[type[BaseException], ...]) -> asyncio.Future:
+    """Serve `handler` at `path` ("namespace.component.endpoint"). Exceptions of the `errors`
+    types become error envelopes; anything else is logged by Dynamo and fails the stream."""
+
+    async def endpoint(request, context=None):
+        try:
+            async for item in handler(request):
+                yield item
+        except errors as exc:
+            yield error_envelope(exc)
+
+    return asyncio.ensure_future(rt.endpoint(path).serve_endpoint(endpoint))
+
+
+async def client(rt, path: str, timeout_s: float = 30.0):
+    c = await rt.endpoint(path).client()
+    await asyncio.wait_for(c.wait_for_instances(), timeout_s)
+    return c
+
+
+async def call(c, request: Any) -> AsyncIterator[Any]:
+    """Stream the data items of one request, raising `RemoteError` on an error envelope."""
+    async for annotated in await c.round_robin(request):
+        yield raise_for_error(annotated.data())

@@ -1,0 +1,83 @@
+"""The workers as Dynamo runtime endpoints (file discovery, TCP request plane, loopback only):
+the handoff through the runtime gives the same tokens as in-process, and typed errors arrive
+typed."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import pytest
+
+from components.decode_worker import DecodeWorker, KVCoverageError, collect
+from components.handoff import EmptyHash, HandoffError
+from components.images import ImageError
+from components.prefill_worker import InvalidRequest, PrefillWorker
+from components.protocol import PrefillRequest
+from components.runtime import RemoteError, call, client, runtime, serve
+from tests.conftest import chat, data_uri, encode, make_image
+from tests.flows import greedy
+
+
+@pytest.fixture(scope="module")
+def dynamo(loop, engines, tmp_path_factory):
+    os.environ["DYN_FILE_KV"] = str(tmp_path_factory.mktemp("dyn-discovery"))
+    prefill, decode = PrefillWorker(engines.prefill), DecodeWorker(engines.decode)
+
+    async def up():
+        import asyncio
+
+        rt = runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
+        serve(rt, "mmhtest.prefill.generate", prefill.handle, (ImageError, InvalidRequest))
+        serve(rt, "mmhtest.decode.generate", decode.handle, (HandoffError, KVCoverageError))
+        return rt, await client(rt, "mmhtest.prefill.generate"), await client(
+            rt, "mmhtest.decode.generate")
+
+    rt, p, d = loop.run(up())
+    yield prefill, decode, p, d
+    rt.shutdown()
+
+
+async def _all(stream):
+    return [item async for item in stream]
+
+
+def test_handoff_through_the_runtime_equals_in_process(loop, dynamo):
+    prefill, decode, p, d = dynamo
+    messages = chat("Over the wire?", data_uri(encode(make_image(256, 192, 77))))
+    request = PrefillRequest(request_id="dyn-1", messages=messages, sampling=greedy(16, ignore_eos=True))
+    (answer,) = loop.run(_all(call(p, msgspec.to_builtins(request))))
+    chunks = loop.run(_all(call(d, answer["handoff"])))
+    remote_tokens = [t for c in chunks for t in c["token_ids"]]
+    assert chunks[-1]["finish_reason"] == "length"
+    assert chunks[-1]["stats"]["kv_tokens_pulled"] > 0
+
+    async def direct():
+        h, _ = await prefill.handoff(msgspec.structs.replace(request, request_id="dyn-2"))
+        return (await collect(decode.generate(h)))[0]
+
+    assert remote_tokens == loop.run(direct())
+
+
+def test_typed_errors_cross_the_runtime(loop, dynamo):
+    _, _, p, d = dynamo
+    with pytest.raises(RemoteError) as err:
+        loop.run(_all(call(p, {"request_id": "x", "messages": "not a list"})))
+    assert err.value.code == "invalid_request"
+    with pytest.raises(RemoteError) as err:
+        loop.run(_all(call(p, msgspec.to_builtins(PrefillRequest(
+            request_id="x", messages=chat("bad", "data:image/png;base64,AAAA"))))))
+    assert err.value.code == "invalid_image"
+
+    request = PrefillRequest(request_id="dyn-3", sampling=greedy(4),
+                             messages=chat("Errors?", data_uri(encode(make_image(90, 90, 78)))))
+    (answer,) = loop.run(_all(call(p, msgspec.to_builtins(request))))
+    bad = dict(answer["handoff"], features=dict(answer["handoff"]["features"],
+                                                mm_hashes={"image": [""]}))
+    with pytest.raises(RemoteError) as err:
+        loop.run(_all(call(d, bad)))
+    assert err.value.code == EmptyHash.code
+    no_kv = dict(answer["handoff"], kv_transfer_params={})
+    with pytest.raises(RemoteError) as err:
+        loop.run(_all(call(d, no_kv)))
+    assert err.value.code == "kv_coverage" and err.value.cause.startswith("no KV")
