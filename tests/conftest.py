@@ -107,6 +107,31 @@ def engines(loop, tiny_model):
         engine.shutdown()
 
 
+@pytest.fixture(scope="session")
+def dynamo(loop, engines, tmp_path_factory):
+    from components.decode_worker import DecodeWorker, KVCoverageError
+    from components.handoff import HandoffError
+    from components.images import ImageError
+    from components.prefill_worker import InvalidRequest, PrefillWorker
+    from components.runtime import client, runtime, serve
+
+    os.environ["DYN_FILE_KV"] = str(tmp_path_factory.mktemp("dyn-discovery"))
+    prefill, decode = PrefillWorker(engines.prefill), DecodeWorker(engines.decode)
+
+    async def up():
+        import asyncio
+
+        rt = runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
+        serve(rt, "mmhtest.prefill.generate", prefill.handle, (ImageError, InvalidRequest))
+        serve(rt, "mmhtest.decode.generate", decode.handle, (HandoffError, KVCoverageError))
+        return rt, await client(rt, "mmhtest.prefill.generate"), await client(
+            rt, "mmhtest.decode.generate")
+
+    rt, p, d = loop.run(up())
+    yield prefill, decode, p, d
+    rt.shutdown()
+
+
 # ---- images ----------------------------------------------------------------------------------------
 def make_image(width: int, height: int, seed: int) -> Image.Image:
     """A photo-like picture (smooth gradients plus noise) so JPEG sizes are realistic."""

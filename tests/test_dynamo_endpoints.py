@@ -4,38 +4,15 @@ typed."""
 
 from __future__ import annotations
 
-import os
-
 import msgspec
 import pytest
 
-from components.decode_worker import DecodeWorker, KVCoverageError, collect
-from components.handoff import EmptyHash, HandoffError
-from components.images import ImageError
-from components.prefill_worker import InvalidRequest, PrefillWorker
+from components.decode_worker import collect
+from components.handoff import EmptyHash
 from components.protocol import PrefillRequest
-from components.runtime import RemoteError, call, client, runtime, serve
+from components.runtime import RemoteError, call
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import greedy
-
-
-@pytest.fixture(scope="module")
-def dynamo(loop, engines, tmp_path_factory):
-    os.environ["DYN_FILE_KV"] = str(tmp_path_factory.mktemp("dyn-discovery"))
-    prefill, decode = PrefillWorker(engines.prefill), DecodeWorker(engines.decode)
-
-    async def up():
-        import asyncio
-
-        rt = runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
-        serve(rt, "mmhtest.prefill.generate", prefill.handle, (ImageError, InvalidRequest))
-        serve(rt, "mmhtest.decode.generate", decode.handle, (HandoffError, KVCoverageError))
-        return rt, await client(rt, "mmhtest.prefill.generate"), await client(
-            rt, "mmhtest.decode.generate")
-
-    rt, p, d = loop.run(up())
-    yield prefill, decode, p, d
-    rt.shutdown()
 
 
 async def _all(stream):
