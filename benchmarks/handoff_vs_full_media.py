@@ -113,11 +113,11 @@ async def main(args) -> None:
                                         nixl_port=port(), dtype="float32"),
         "no connector": EngineSpec(model=model, role="agg", cpu_cores="1", dtype="float32"),
     }
-    # vLLM's own NixlConnector settings (4 UCX threads, NIXL progress thread): started only for
-    # its measurement at the end, since its idle spinning would slow every other measurement.
+    # vLLM's own NixlConnector settings (4 UCX threads, NIXL's spinning progress thread): started
+    # only for its measurement at the end, since its idle spinning would slow everything else.
     default_spec = EngineSpec(model=model, role="full_media_decode", cpu_cores="1",
                               nixl_port=port(), dtype="float32", nixl_threads=4,
-                              nixl_progress_thread=True)
+                              nixl_progress_delay_us=0)
     for name, spec in specs.items():
         print(f"[bench] starting {name} engine ...", file=sys.stderr, flush=True)
         before = mem.children()

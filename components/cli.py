@@ -11,7 +11,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-tiny-model", help="build (or find) the tiny random-weight VLM")
     make.add_argument("dir", nargs="?", help="target folder (default: the cache folder)")
+    srv = sub.add_parser("serve", help="run a graph on this host: graphs.<graph>:<Component>")
+    srv.add_argument("target", help="e.g. graphs.disagg:Frontend")
+    srv.add_argument("-f", "--config", required=True, help="the graph's YAML, e.g. configs/disagg.yaml")
+    srv.add_argument("--port", type=int, help="frontend port (overrides the YAML)")
     args = parser.parse_args(argv)
+
+    if args.command == "serve":
+        from components.serve import GraphError, serve
+
+        try:
+            return serve(args.target, args.config, args.port)
+        except GraphError as e:
+            print(f"mmhandoff serve: {e}", file=sys.stderr)
+            return 2
 
     if args.command == "make-tiny-model":
         from components.tiny_model import ensure_tiny_model, tree_digest

@@ -212,3 +212,45 @@ class Frontend:
         if width * height > self.limits.max_image_pixels:
             raise ApiError(413, f"image is {width}x{height} pixels; the limit is "
                                 f"{self.limits.max_image_pixels}", "image_too_large")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m components.frontend`: serve HTTP once prefill and decode are discoverable."""
+    import argparse
+    import asyncio
+    import signal
+    import sys
+
+    from components.runtime import client, runtime
+
+    p = argparse.ArgumentParser(prog="python -m components.frontend")
+    p.add_argument("--namespace", default="mmhandoff")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default="tiny-llava", help="the model id clients ask for")
+    p.add_argument("--wait-s", type=float, default=600, help="how long to wait for the workers")
+    args = p.parse_args(argv)
+
+    async def serve() -> int:
+        rt = runtime(asyncio.get_running_loop())
+        print(f"[frontend] waiting for {args.namespace}.prefill and .decode", file=sys.stderr,
+              flush=True)
+        prefill = await client(rt, f"{args.namespace}.prefill.generate", args.wait_s)
+        decode = await client(rt, f"{args.namespace}.decode.generate", args.wait_s)
+        runner = web.AppRunner(Frontend(prefill, decode, args.model_name).app())
+        await runner.setup()
+        await web.TCPSite(runner, args.host, args.port).start()
+        print(f"[frontend] ready on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+        rt.shutdown()
+        return 0
+
+    return asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -66,3 +66,21 @@ def test_kv_event_wire_type():
     assert {"block_hashes", "parent_block_hash", "token_ids", "block_size", "extra_keys"} <= set(
         BlockStored.__struct_fields__)
     assert issubclass(KVEventBatch, msgspec.Struct)
+
+
+def test_nixl_agent_config_hook():
+    """connector.py hands NIXL a subclass of its config type to set the progress-thread delay."""
+    import sys
+
+    from vllm.distributed.nixl_utils import NixlWrapper
+
+    from components.vllm_adapter.connector import progress_delay
+
+    api = sys.modules[NixlWrapper.__module__]
+    src = inspect.getsource(api.nixl_agent.__init__)
+    assert "nixlBind.nixlAgentConfig()" in src and "pthrDelay = 0" in src
+    with progress_delay(250):
+        config = api.nixlBind.nixlAgentConfig()
+        config.pthrDelay = 0
+        assert config.pthrDelay == 250
+    assert api.nixlBind.nixlAgentConfig().__class__.__name__ == "nixlAgentConfig"

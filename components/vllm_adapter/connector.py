@@ -1,38 +1,50 @@
-"""NixlConnector with a switch for NIXL's progress thread.
+"""NixlConnector whose NIXL progress thread sleeps between polls instead of spinning.
 
-NIXL's Python agent starts a progress thread that polls UCX with zero delay (`pthrDelay = 0` in
-nixl/_api.py): it spins at 100% of a core even when idle. On a 2-core CPU machine two such engines
-leave the model no core, and every request gets ~15x slower. vLLM does not expose the setting, so
-this subclass builds the agent without the thread when `kv_connector_extra_config
-["progress_thread"]` is false. vLLM then progresses NIXL from its own step loop (transfer status
-and notification polling), which is enough for one-sided reads over shared memory / CMA on one
-host. Keep the thread (the default on GPUs) where UCX must emulate reads over TCP between hosts:
-there the source side has to progress while it is idle.
+NIXL's Python agent starts a progress thread with `pthrDelay = 0` hard-coded (nixl/_api.py): it
+polls UCX back to back and burns a whole core per engine, idle or not (measured: 1.0 core; with
+a 100 us delay: 0.03). On a 2-core machine two such engines left the model no core and every
+request got ~15x slower. vLLM exposes neither setting. The thread itself must stay: an idle
+engine still has to progress UCX (wire-up, notifications, reads emulated over TCP), or a peer's
+transfer stalls until the engine happens to step.
+
+This subclass builds the agent with the delay from `kv_connector_extra_config
+["progress_delay_us"]` (0 keeps NIXL's spin) by handing NIXL a subclass of its own config type
+for the duration of the connector's construction.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import sys
 
-import vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker as _nixl_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+from vllm.distributed.nixl_utils import NixlWrapper
 
 
 @contextlib.contextmanager
-def _agents_without_progress_thread():
-    original = _nixl_worker.nixl_agent_config
-    _nixl_worker.nixl_agent_config = functools.partial(original, enable_prog_thread=False)
+def progress_delay(delay_us: int):
+    """While active, NIXL agents are created with a progress-thread poll delay of `delay_us`."""
+    bind = sys.modules[NixlWrapper.__module__].nixlBind
+    original = bind.nixlAgentConfig
+
+    class _DelayedConfig(original):
+        def __setattr__(self, name, value):
+            if name == "pthrDelay" and value == 0:
+                value = delay_us
+            super().__setattr__(name, value)
+
+    bind.nixlAgentConfig = _DelayedConfig
     try:
         yield
     finally:
-        _nixl_worker.nixl_agent_config = original
+        bind.nixlAgentConfig = original
 
 
 class MMHandoffNixlConnector(NixlConnector):
     def __init__(self, vllm_config, role, *args, **kwargs) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        quiet = role == KVConnectorRole.WORKER and not extra.get("progress_thread", True)
-        with _agents_without_progress_thread() if quiet else contextlib.nullcontext():
+        delay_us = int(extra.get("progress_delay_us", 0))
+        patch = role == KVConnectorRole.WORKER and delay_us > 0
+        with progress_delay(delay_us) if patch else contextlib.nullcontext():
             super().__init__(vllm_config, role, *args, **kwargs)

@@ -45,9 +45,9 @@ class EngineSpec:
     nixl_port: int | None = None  # the NIXL side channel (handshake) port of this engine
     nixl_host: str = "127.0.0.1"
     nixl_threads: int = 0  # extra UCX worker threads (vLLM's default is 4)
-    # NIXL's progress thread spins a core while idle (see connector.py). None: off on CPU
-    # machines (one host, shared-memory reads), on with GPUs (reads may cross hosts over TCP).
-    nixl_progress_thread: bool | None = None
+    # NIXL's progress thread polls back to back by default and burns a core (connector.py);
+    # it sleeps this long between polls instead. 0: NIXL's own behaviour.
+    nixl_progress_delay_us: int = 100
     kv_buffer_device: str | None = None  # "cpu" on CPU machines, None = vLLM's default
     kv_lease_s: int | None = None  # how long prefill holds unpulled blocks
     kv_events_endpoint: str | None = None  # ZMQ endpoint for KV events ("tcp://*:port": bind)
@@ -87,10 +87,9 @@ def engine_args(spec: EngineSpec):
     if spec.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = spec.gpu_memory_utilization
     if spec.role != "agg":
-        progress = spec.nixl_progress_thread
         extra: dict[str, Any] = {
             "num_threads": spec.nixl_threads, "backends": ["UCX"],
-            "progress_thread": (not on_cpu()) if progress is None else progress,
+            "progress_delay_us": spec.nixl_progress_delay_us,
         }
         if spec.kv_lease_s is not None:
             extra["kv_lease_duration"] = spec.kv_lease_s

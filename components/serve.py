@@ -1,0 +1,174 @@
+"""`mmhandoff serve graphs.<graph>:<Component> -f configs/<graph>.yaml`: run a graph on one host.
+
+Starts every component reachable from the named one (callees first), each replica as its own
+`python -m components.<module>` process in its own process group, with the YAML's arguments and
+environment; prefixes their output with `[module-i]`; waits until the frontend answers /health.
+On Ctrl-C or SIGTERM, and when any component dies (its name and exit code are printed), it stops
+all of them (SIGTERM, then SIGKILL to the whole group after a grace period) and exits: 0 on a
+requested stop, 1 when a component died. Discovery is a fresh file folder per run (no etcd or
+NATS); NIXL side-channel ports are picked free per replica.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+GRACE_S = 30.0
+
+
+class GraphError(ValueError):
+    pass
+
+
+def load_graph(target: str):
+    module_name, _, attr = target.partition(":")
+    if not attr:
+        raise GraphError(f"expected graphs.<graph>:<Component>, got {target!r}")
+    try:
+        component = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise GraphError(f"cannot load {target!r}: {e}") from None
+    return component.reachable()
+
+
+def load_config(path: str) -> dict:
+    import yaml
+
+    try:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise GraphError(f"cannot read config {path!r}: {e}") from None
+    if not isinstance(config.get("components", {}), dict):
+        raise GraphError(f"{path}: 'components' must be a mapping")
+    return config
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _arg(args: list[str], flag: str, default: str) -> str:
+    return args[args.index(flag) + 1] if flag in args[:-1] else default
+
+
+class Supervisor:
+    def __init__(self, components, config: dict, port: int | None) -> None:
+        self.components, self.config = components, config
+        self.port_override = port
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.stopping = False
+        self.run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-run-"))
+
+    def command(self, module: str) -> list[str]:
+        spec = self.config.get("components", {}).get(module) or {}
+        args = [str(a) for a in spec.get("args", [])]
+        args += ["--namespace", str(self.config.get("namespace", "mmhandoff"))]
+        if module == "frontend":
+            if self.port_override:
+                args += ["--port", str(self.port_override)]
+        else:
+            if self.config.get("model"):
+                args += ["--model", str(self.config["model"])]
+            args += ["--nixl-port", str(_port())]
+        return [sys.executable, "-m", f"components.{module}", *args]
+
+    def start(self) -> None:
+        env = dict(os.environ, DYN_FILE_KV=str(self.run_dir / "discovery"),
+                   **{k: str(v) for k, v in (self.config.get("env") or {}).items()})
+        for component in self.components:
+            spec = self.config.get("components", {}).get(component.module) or {}
+            for i in range(int(spec.get("replicas", 1))):
+                name = f"{component.module}-{i}"
+                proc = subprocess.Popen(
+                    self.command(component.module), env={**env, **{k: str(v) for k, v in (
+                        spec.get("env") or {}).items()}},
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    start_new_session=True)
+                self.procs.append((name, proc))
+                threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
+                print(f"[serve] started {name} (pid {proc.pid})", flush=True)
+
+    def _relay(self, name: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+
+    def frontend_url(self) -> str:
+        spec = self.config.get("components", {}).get("frontend") or {}
+        port = self.port_override or _arg([str(a) for a in spec.get("args", [])], "--port", "8000")
+        return f"http://127.0.0.1:{port}"
+
+    def wait_ready(self, timeout_s: float = 900) -> bool:
+        url, t0, last = self.frontend_url() + "/health", time.monotonic(), 0.0
+        while time.monotonic() - t0 < timeout_s and not self.dead():
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        print(f"[serve] ready: {self.frontend_url()}/v1 "
+                              f"({time.monotonic() - t0:.0f} s)", flush=True)
+                        return True
+            except OSError:
+                pass
+            if time.monotonic() - last > 15:
+                last = time.monotonic()
+                print(f"[serve] starting ... {time.monotonic() - t0:.0f} s", flush=True)
+            time.sleep(0.5)
+        return False
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(n, p.returncode) for n, p in self.procs if p.poll() is not None]
+
+    def stop(self) -> None:
+        self.stopping = True
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for name, p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"[serve] {name} did not stop in {GRACE_S:.0f} s: killing it", flush=True)
+        for _, p in self.procs:  # the whole group: engine cores and workers included
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def serve(target: str, config_path: str, port: int | None = None) -> int:
+    components = load_graph(target)
+    sup = Supervisor(components, load_config(config_path), port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"[serve] graph: {' -> '.join(c.module for c in reversed(components))}", flush=True)
+    sup.start()
+    code = 0
+    try:
+        if not sup.wait_ready() and not stop.is_set():
+            code = 1
+            print(f"[serve] not ready: {sup.dead() or 'timed out'}", flush=True)
+        while code == 0 and not stop.wait(0.5):
+            if dead := sup.dead():
+                print(f"[serve] component died: " + ", ".join(
+                    f"{n} (exit {rc})" for n, rc in dead) + "; stopping the graph", flush=True)
+                code = 1
+    finally:
+        print("[serve] stopping ...", flush=True)
+        sup.stop()
+        print("[serve] stopped", flush=True)
+    return code

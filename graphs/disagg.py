@@ -1,0 +1,7 @@
+"""frontend -> prefill_worker (encode + prefill) -> decode_worker (the media-free handoff)."""
+
+from graphs.graph import Component
+
+Frontend = Component("frontend")
+Prefill = Frontend.link(Component("prefill_worker"))
+Decode = Prefill.link(Component("decode_worker"))
