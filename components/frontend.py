@@ -12,8 +12,6 @@ Not yet (issue 3): image URLs (http/https behind a fetch guard), /v1/completions
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import json
 import time
@@ -26,6 +24,7 @@ from aiohttp import web
 from PIL import Image, UnidentifiedImageError
 
 from components.handoff import Sampling
+from components.images import ImageError, ImageLimits, ImageTooLarge, data_uri_bytes
 from components.protocol import PrefillRequest
 from components.runtime import RemoteError, call
 
@@ -191,19 +190,10 @@ class Frontend:
         if url.startswith(("http://", "https://")):
             raise ApiError(400, "image URLs are not supported yet; send a data URI",
                            "image_url_not_supported")
-        if not url.startswith("data:"):
-            raise ApiError(400, "image_url must be a data URI (data:image/...;base64,...)",
-                           "invalid_image")
-        header, _, payload = url.partition(",")
-        if ";base64" not in header:
-            raise ApiError(400, "image data URI must be base64", "invalid_image")
-        if len(payload) > self.limits.max_image_bytes * 4 // 3 + 4:
-            raise ApiError(413, f"image is over {self.limits.max_image_bytes} bytes",
-                           "image_too_large")
         try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise ApiError(400, "image data URI holds invalid base64", "invalid_base64") from None
+            data = data_uri_bytes(url, ImageLimits(max_bytes=self.limits.max_image_bytes))
+        except ImageError as e:
+            raise ApiError(413 if isinstance(e, ImageTooLarge) else 400, str(e), e.code) from None
         try:
             with Image.open(io.BytesIO(data)) as probe:  # reads the header only
                 width, height = probe.size

@@ -67,19 +67,27 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> LoadedImag
     return LoadedImage(image=image, content_hash=content_hash(image), source_bytes=len(data))
 
 
+class InvalidBase64(ImageError):
+    code = "invalid_base64"
+
+
+def data_uri_bytes(ref: str, limits: ImageLimits = ImageLimits()) -> bytes:
+    """The bytes of a `data:image/...;base64,...` URI, size-checked before decoding."""
+    header, sep, body = ref.partition(",")
+    if not ref.startswith("data:") or not sep or ";base64" not in header:
+        raise ImageError("image data URI must be base64: data:image/<type>;base64,<data>")
+    if len(body) > limits.max_bytes * 4 // 3 + 4:
+        raise ImageTooLarge(f"image is over the {limits.max_bytes}-byte limit")
+    try:
+        return base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidBase64("image data URI holds invalid base64") from None
+
+
 def load_image_ref(ref: str, limits: ImageLimits = ImageLimits()) -> LoadedImage:
     """A data URI (`data:image/...;base64,...`) or a local file path (`file://` or plain)."""
     if ref.startswith("data:"):
-        header, sep, body = ref.partition(",")
-        if not sep or ";base64" not in header:
-            raise ImageError("data URI must be base64: data:image/<type>;base64,<data>")
-        if len(body) > limits.max_bytes * 4 // 3 + 4:
-            raise ImageTooLarge(f"image data URI is over the {limits.max_bytes}-byte limit")
-        try:
-            data = base64.b64decode(body, validate=True)
-        except (binascii.Error, ValueError):
-            raise ImageError("data URI holds invalid base64") from None
-        return decode_image(data, limits)
+        return decode_image(data_uri_bytes(ref, limits), limits)
     if ref.startswith(("http://", "https://")):
         raise ImageError("image URLs are fetched by the frontend; the worker takes data URIs "
                          "and local files")

@@ -8,7 +8,7 @@ import pytest
 
 from components.decode_worker import DecodeWorker, collect
 from components.handoff import (
-    EmptyHash, FingerprintMismatch, PayloadPresent, Sampling, SpanOutOfRange,
+    EmptyHash, FingerprintMismatch, PayloadPresent, SpanOutOfRange,
     SpanReachesFinalToken, UnsupportedRequest, UnsupportedVersion, encode_handoff,
 )
 from components.prefill_worker import PrefillWorker
