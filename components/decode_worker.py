@@ -40,12 +40,17 @@ class KVCoverageError(RuntimeError):
         self.cause = cause
 
 
+class InvalidRequest(ValueError):
+    code = "invalid_request"
+
+
 class UnsupportedModel(RuntimeError):
     pass
 
 
 class DecodeWorker:
-    def __init__(self, engine, *, kv_deadline_s: float = 30.0, key: bytes | None = None) -> None:
+    def __init__(self, engine, *, kv_deadline_s: float | None = 30.0,
+                 key: bytes | None = None) -> None:
         mc = engine.model_config
         if mc.uses_mrope:
             raise UnsupportedModel("M-RoPE models derive positions from the media; a KV-only "
@@ -75,7 +80,10 @@ class DecodeWorker:
         t0 = time.perf_counter()
         handoff, size = self.admit(message)
         engine_request_id = f"{handoff.request_id}:decode:{uuid.uuid4().hex[:8]}"
-        request = kv_only_request(self.engine, handoff, engine_request_id, self._tasks)
+        try:
+            request = kv_only_request(self.engine, handoff, engine_request_id, self._tasks)
+        except ValueError as e:  # vLLM's own input checks (e.g. longer than max_model_len)
+            raise InvalidRequest(f"request {handoff.request_id}: {e}") from None
         prepare_ms = (time.perf_counter() - t0) * 1e3
         async for chunk in self._stream(handoff.request_id, request, request.sampling_params,
                                         engine_request_id, size, prepare_ms, t0):
@@ -103,19 +111,22 @@ class DecodeWorker:
                 if ttft_ms is None:
                     ttft_ms = (time.perf_counter() - t0) * 1e3
                 completion = output.outputs[0]
+                # vLLM hands out its live token list (it keeps growing while we are suspended
+                # in `yield`): take the counts now, not after the yield.
+                token_ids, text = list(completion.token_ids), completion.text
+                new_ids, new_text = token_ids[sent_ids:], text[sent_text:]
+                sent_ids, sent_text = len(token_ids), len(text)
                 stats = None
                 if output.finished:
                     kv = kv_stats(output)
                     stats = DecodeStats(
                         request_bytes=size, prepare_ms=prepare_ms, ttft_ms=ttft_ms,
+                        prompt_tokens=len(output.prompt_token_ids or ()),
                         kv_tokens_local=kv.get("local", -1),
                         kv_tokens_pulled=kv.get("external", -1),
                         kv_positions_covered=kv.get("covered", -1))
-                yield DecodeChunk(
-                    request_id=request_id, token_ids=list(completion.token_ids[sent_ids:]),
-                    text=completion.text[sent_text:], finish_reason=completion.finish_reason,
-                    stats=stats)
-                sent_ids, sent_text = len(completion.token_ids), len(completion.text)
+                yield DecodeChunk(request_id=request_id, token_ids=new_ids, text=new_text,
+                                  finish_reason=completion.finish_reason, stats=stats)
                 if output.finished:
                     return
         finally:
@@ -123,7 +134,6 @@ class DecodeWorker:
             # vLLM, which frees its blocks; aborting a finished request is a no-op.
             await stream.aclose()
             await self.engine.abort(engine_request_id)
-
 
     async def handle(self, request: dict) -> AsyncIterator[dict]:
         """Dynamo endpoint handler: a handoff in its builtin form in, DecodeChunk dicts out."""
@@ -134,6 +144,14 @@ class DecodeWorker:
 class FullMediaDecodeWorker(DecodeWorker):
     """The benchmark arm where decode receives the images and re-processes them, as P/D stacks
     do today. Same streaming and KV deadline; needs an engine with the vision tower."""
+
+    async def handle(self, request: dict) -> AsyncIterator[dict]:
+        try:  # the wire form carries image bytes as base64 text
+            typed = msgspec.convert(request, FullMediaRequest)
+        except msgspec.ValidationError as e:
+            raise InvalidRequest(f"invalid full-media request: {e}") from None
+        async for chunk in self.generate(msgspec.msgpack.encode(typed)):
+            yield msgspec.to_builtins(chunk)
 
     async def generate(self, message: bytes) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
@@ -169,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     from components.launch import run
 
     def make_handler(engine, args):
-        return DecodeWorker(engine, kv_deadline_s=args.kv_deadline_s).handle
+        worker = FullMediaDecodeWorker if args.full_media else DecodeWorker
+        return worker(engine, kv_deadline_s=args.kv_deadline_s).handle
 
-    return run("decode_worker", "decode", ENDPOINT, make_handler,
-               (HandoffError, KVCoverageError), argv)
+    return run("decode_worker", lambda a: "full_media_decode" if a.full_media else "decode",
+               ENDPOINT, make_handler, (HandoffError, KVCoverageError, InvalidRequest), argv)
 
 
 if __name__ == "__main__":

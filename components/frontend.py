@@ -1,215 +1,223 @@
 """OpenAI-compatible HTTP frontend: checks the request, sends it to prefill, then its handoff to
-decode, and streams the answer. It runs no model.
+decode (or, in the agg graph, the request straight to the one worker), and streams the answer.
+It runs no model.
 
-Endpoints: POST /v1/chat/completions (streaming with SSE, or not), GET /v1/models, GET /health.
-Every refusal is a 4xx with an OpenAI-style body `{"error": {"message", "type", "code"}}`, and
-nothing is started for it. When decode fails closed (its KV did not cover the images), the whole
-request is retried through prefill, at most `retries` times; then the client gets a 503 naming
-the cause.
+Endpoints: POST /v1/chat/completions and /v1/completions (streaming with SSE, or not), GET
+/v1/models, /health, /metrics (Prometheus). Every refusal is a 4xx with an OpenAI-style body
+`{"error": {"message", "type", "code"}}` (components.frontend_request), and nothing is started
+for it. When decode fails closed (its KV did not cover the images), the whole request is retried
+through prefill, at most `retries` times; then the client gets a 503 naming the cause.
 
-Not yet (issue 3): image URLs (http/https behind a fetch guard), /v1/completions, /metrics.
+A client that goes away mid-answer cancels its handler (aiohttp's handler cancellation); the
+open Dynamo streams are closed with it, which stops the worker's handler and aborts the engine
+request, freeing its KV. Non-streaming answers carry an extra `mmhandoff` object with the
+handoff statistics (OpenAI clients ignore unknown fields).
 """
 
 from __future__ import annotations
 
-import io
+import asyncio
 import json
+import sys
 import time
-import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import msgspec
 from aiohttp import web
-from PIL import Image, UnidentifiedImageError
 
-from components.handoff import Sampling
-from components.images import ImageError, ImageLimits, ImageTooLarge, data_uri_bytes
-from components.protocol import PrefillRequest
+from components.frontend_request import ApiError, FrontendLimits, RequestReader
+from components.image_fetch import FetchPolicy
+from components.metrics import FrontendMetrics
 from components.runtime import RemoteError, call
 
-
-@dataclass(frozen=True)
-class FrontendLimits:
-    max_body_bytes: int = 48 * 1024 * 1024
-    max_image_bytes: int = 32 * 1024 * 1024
-    max_image_pixels: int = 50_000_000
-    max_images: int = 8
-    max_tokens: int = 4096
+__all__ = ["Frontend", "FrontendLimits", "ApiError"]
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.code, self.kind = status, code, kind
+@dataclass
+class Piece:
+    """One streamed piece of an answer; the last one has `finish`, `usage` and `stats`."""
 
-    def response(self) -> web.Response:
-        return web.json_response(
-            {"error": {"message": str(self), "type": self.kind, "code": self.code}},
-            status=self.status)
+    text: str
+    finish: str | None = None
+    usage: dict | None = None
+    stats: dict | None = None
 
 
 class Frontend:
     def __init__(self, prefill, decode, model: str, *, limits: FrontendLimits = FrontendLimits(),
-                 retries: int = 1) -> None:
-        self.prefill, self.decode = prefill, decode  # Dynamo clients
+                 fetch_policy: FetchPolicy = FetchPolicy(), retries: int = 1) -> None:
+        # Dynamo clients. prefill=None: `decode` takes the request itself (the agg worker).
+        self.prefill, self.decode = prefill, decode
         self.model, self.limits, self.retries = model, limits, retries
+        self.reader = RequestReader(model, limits, fetch_policy)
+        self.metrics = FrontendMetrics()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.limits.max_body_bytes,
                               middlewares=[self._errors])
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
         return app
+
+    def runner(self) -> web.AppRunner:
+        # handler_cancellation: a client that disconnects cancels its handler at once
+        return web.AppRunner(self.app(), handler_cancellation=True)
 
     @web.middleware
     async def _errors(self, request, handler):
         try:
             return await handler(request)
-        except ApiError as e:
-            return e.response()
         except web.HTTPRequestEntityTooLarge:
-            return ApiError(413, f"request body is over {self.limits.max_body_bytes} bytes",
-                            "body_too_large").response()
+            error = ApiError(413, f"request body is over {self.limits.max_body_bytes} bytes",
+                             "body_too_large")
+        except ApiError as e:
+            error = e
+        except (web.HTTPException, asyncio.CancelledError):
+            raise
+        except Exception as e:  # a bug or a component failing outside its typed errors
+            print(f"[frontend] {request.method} {request.path} failed: {e!r}", file=sys.stderr,
+                  flush=True)
+            error = ApiError(500, f"internal error: {type(e).__name__}", "internal",
+                             "server_error")
+        self.metrics.errors.labels(error.code).inc()
+        return web.json_response(
+            {"error": {"message": str(error), "type": error.kind, "code": error.code}},
+            status=error.status)
+
+    async def _metrics(self, request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def _models(self, request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.model, "object": "model", "owned_by": "mmhandoff", "created": 0}]})
 
-    # ---- chat ----------------------------------------------------------------------------------
+    # ---- the two generation APIs --------------------------------------------------------------
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat", self.reader.chat)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions", self.reader.completion)
+
+    async def _generate(self, request, api: str, read) -> web.StreamResponse:
+        self.metrics.requests.labels(api).inc()
+        t0 = time.perf_counter()
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "request body is not valid JSON", "invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object", "invalid_request")
-        if body.get("model") != self.model:
-            raise ApiError(404, f"model {body.get('model')!r} does not exist; this server serves "
-                                f"{self.model!r}", "model_not_found")
-        prefill_request = self._prefill_request(body)
-        if body.get("stream"):
-            return await self._stream(request, prefill_request)
-        text, finish, usage = "", None, None
-        async for delta, finish, usage in self._answer(prefill_request):
-            text += delta
-        return web.json_response({
-            "id": prefill_request.request_id, "object": "chat.completion",
-            "created": int(time.time()), "model": self.model,
-            "choices": [{"index": 0, "finish_reason": finish,
-                         "message": {"role": "assistant", "content": text}}],
-            "usage": usage})
+        prefill_request = await read(body)
+        self.metrics.in_flight.inc()
+        try:
+            async with aclosing(self._answer(prefill_request, t0)) as pieces:
+                if body.get("stream"):
+                    return await self._stream(request, api, prefill_request.request_id, pieces)
+                text, last = "", Piece("")
+                async for last in pieces:
+                    text += last.text
+                return web.json_response(_whole(api, prefill_request.request_id, self.model,
+                                                text, last))
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.disconnects.inc()  # the client left; aclosing aborted the request
+            raise
+        finally:
+            self.metrics.in_flight.dec()
 
-    async def _stream(self, request, prefill_request) -> web.StreamResponse:
-        answer = self._answer(prefill_request)
-        first = await anext(answer)  # errors before the first token still get a 4xx/5xx
+    async def _stream(self, request, api, request_id, pieces) -> web.StreamResponse:
+        first = await anext(pieces)  # errors before the first token still get a 4xx/5xx
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
-        base = {"id": prefill_request.request_id, "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": self.model}
+        created = int(time.time())
 
-        async def send(delta, finish, usage):
-            chunk = dict(base, choices=[{"index": 0, "delta": {"content": delta} if delta else {},
-                                         "finish_reason": finish}])
-            if usage:
-                chunk["usage"] = usage
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        async def send(event: dict) -> None:
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
 
-        await send(*first)
-        async for item in answer:
-            await send(*item)
+        try:
+            await send(_chunk(api, request_id, self.model, created, first))
+            async for piece in pieces:
+                await send(_chunk(api, request_id, self.model, created, piece))
+        except ApiError as e:  # after the first token the status is sent: say it in the stream
+            self.metrics.errors.labels(e.code).inc()
+            await send({"error": {"message": str(e), "type": e.kind, "code": e.code}})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    async def _answer(self, prefill_request) -> AsyncIterator[tuple[str, str | None, dict | None]]:
-        """(text delta, finish reason, usage) items; retries through prefill on fail-closed."""
+    async def _answer(self, prefill_request, t0: float) -> AsyncIterator[Piece]:
+        """The answer's pieces; retries through prefill when decode fails closed."""
         for attempt in range(self.retries + 1):
-            sent = 0
+            sent, last_t = 0, None
             try:
-                handoff = await self._handoff(prefill_request)
-                async for chunk in call(self.decode, handoff):
-                    sent += len(chunk["token_ids"])
-                    usage = None
-                    if chunk.get("finish_reason"):
-                        prompt = len(handoff["token_ids"])
-                        usage = {"prompt_tokens": prompt, "completion_tokens": sent,
-                                 "total_tokens": prompt + sent}
-                    yield chunk["text"], chunk.get("finish_reason"), usage
+                async with aclosing(self._decode(prefill_request)) as chunks:
+                    async for chunk in chunks:
+                        now = time.perf_counter()
+                        if last_t is None:
+                            self.metrics.ttft.observe(now - t0)
+                        else:
+                            self.metrics.itl.observe(now - last_t)
+                        last_t = now
+                        sent += len(chunk["token_ids"])
+                        piece = Piece(chunk["text"], chunk.get("finish_reason"))
+                        if piece.finish:
+                            piece.stats = stats = chunk.get("stats") or {}
+                            self.metrics.record_decode(stats)
+                            prompt = stats.get("prompt_tokens", -1)
+                            piece.usage = {"prompt_tokens": prompt, "completion_tokens": sent,
+                                           "total_tokens": prompt + sent}
+                            stats["retries"] = attempt
+                        yield piece
                 return
             except RemoteError as e:
                 if e.code == "kv_coverage" and not sent and attempt < self.retries:
+                    self.metrics.retries.inc()
                     continue
-                status = 503 if e.code in ("kv_coverage", "prefill_failed") else 400
-                raise ApiError(status, str(e), e.code,
+                status = 503 if e.code in ("kv_coverage", "prefill_failed", "internal") else 400
+                raise ApiError(status, e.message, e.code,
                                "server_error" if status == 503 else "invalid_request_error") from None
 
-    async def _handoff(self, prefill_request) -> dict:
-        answers = [a async for a in call(self.prefill, msgspec.to_builtins(prefill_request))]
-        return answers[0]["handoff"]
+    async def _decode(self, prefill_request) -> AsyncIterator[dict]:
+        request = msgspec.to_builtins(prefill_request)
+        if self.prefill is not None:
+            answers = [a async for a in call(self.prefill, request)]
+            request = answers[0]["handoff"]
+        async with aclosing(call(self.decode, request)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
-    # ---- request checks (nothing starts before they pass) -------------------------------------
-    def _prefill_request(self, body: dict) -> PrefillRequest:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list", "invalid_messages")
-        images = 0
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if not isinstance(message, dict) or message.get("role") not in (
-                    "system", "user", "assistant"):
-                raise ApiError(400, "each message needs a role: system, user or assistant",
-                               "invalid_messages")
-            for part in content if isinstance(content, list) else ():
-                if isinstance(part, dict) and part.get("type") == "image_url":
-                    images += 1
-                    url = part.get("image_url")
-                    self._check_image(url.get("url") if isinstance(url, dict) else url)
-        if images > self.limits.max_images:
-            raise ApiError(400, f"{images} images; at most {self.limits.max_images} per request",
-                           "too_many_images")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.limits.max_tokens:
-            raise ApiError(400, f"max_tokens must be an integer in [1, {self.limits.max_tokens}]",
-                           "invalid_max_tokens")
-        try:
-            sampling = Sampling(max_tokens=max_tokens,
-                                temperature=float(body.get("temperature", 1.0)),
-                                top_p=float(body.get("top_p", 1.0)), seed=body.get("seed"))
-        except (TypeError, ValueError):
-            raise ApiError(400, "temperature and top_p must be numbers", "invalid_sampling") from None
-        return PrefillRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages,
-                              sampling=sampling)
 
-    def _check_image(self, url: Any) -> None:
-        if not isinstance(url, str) or not url:
-            raise ApiError(400, "image_url needs a url", "invalid_image")
-        if url.startswith(("http://", "https://")):
-            raise ApiError(400, "image URLs are not supported yet; send a data URI",
-                           "image_url_not_supported")
-        try:
-            data = data_uri_bytes(url, ImageLimits(max_bytes=self.limits.max_image_bytes))
-        except ImageError as e:
-            raise ApiError(413 if isinstance(e, ImageTooLarge) else 400, str(e), e.code) from None
-        try:
-            with Image.open(io.BytesIO(data)) as probe:  # reads the header only
-                width, height = probe.size
-        except (UnidentifiedImageError, OSError):
-            raise ApiError(400, "image data is not a readable image", "invalid_image") from None
-        if width * height > self.limits.max_image_pixels:
-            raise ApiError(413, f"image is {width}x{height} pixels; the limit is "
-                                f"{self.limits.max_image_pixels}", "image_too_large")
+# ---- OpenAI response shapes ------------------------------------------------------------------
+def _whole(api: str, request_id: str, model: str, text: str, last: Piece) -> dict:
+    choice = ({"index": 0, "finish_reason": last.finish,
+               "message": {"role": "assistant", "content": text}} if api == "chat" else
+              {"index": 0, "finish_reason": last.finish, "text": text, "logprobs": None})
+    return {"id": request_id, "object": "chat.completion" if api == "chat" else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": last.usage, "mmhandoff": last.stats}
+
+
+def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece) -> dict:
+    if api == "chat":
+        choice = {"index": 0, "delta": {"content": piece.text} if piece.text else {},
+                  "finish_reason": piece.finish}
+    else:
+        choice = {"index": 0, "text": piece.text, "finish_reason": piece.finish, "logprobs": None}
+    chunk = {"id": request_id, "object": "chat.completion.chunk" if api == "chat" else
+             "text_completion", "created": created, "model": model, "choices": [choice]}
+    if piece.usage:
+        chunk["usage"] = piece.usage
+    return chunk
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m components.frontend`: serve HTTP once prefill and decode are discoverable."""
+    """`python -m components.frontend`: serve HTTP once the workers are discoverable."""
     import argparse
-    import asyncio
     import signal
-    import sys
 
     from components.runtime import client, runtime
 
@@ -218,16 +226,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default="tiny-llava", help="the model id clients ask for")
+    p.add_argument("--prefill", default="prefill.generate",
+                   help='prefill endpoint, or "none" when the decode endpoint takes the request '
+                        "itself (agg graph)")
+    p.add_argument("--decode", default="decode.generate",
+                   help="the endpoint that streams the answer: decode.generate, "
+                        "router.generate (disagg_router) or agg.generate (agg)")
+    p.add_argument("--allow-image-networks", default="",
+                   help="comma-separated CIDRs that image URLs may reach although not public, "
+                        'e.g. "127.0.0.0/8" (default: none)')
+    p.add_argument("--image-fetch-timeout-s", type=float, default=10.0)
+    p.add_argument("--retries", type=int, default=1, help="retries through prefill on fail-closed")
     p.add_argument("--wait-s", type=float, default=600, help="how long to wait for the workers")
     args = p.parse_args(argv)
+    try:
+        policy = FetchPolicy(allow_networks=FetchPolicy.networks(args.allow_image_networks),
+                             timeout_s=args.image_fetch_timeout_s)
+    except ValueError as e:
+        p.error(f"--allow-image-networks: {e}")
 
     async def serve() -> int:
         rt = runtime(asyncio.get_running_loop())
-        print(f"[frontend] waiting for {args.namespace}.prefill and .decode", file=sys.stderr,
+        names = [n for n in (args.prefill, args.decode) if n != "none"]
+        print(f"[frontend] waiting for {', '.join(names)} in {args.namespace}", file=sys.stderr,
               flush=True)
-        prefill = await client(rt, f"{args.namespace}.prefill.generate", args.wait_s)
-        decode = await client(rt, f"{args.namespace}.decode.generate", args.wait_s)
-        runner = web.AppRunner(Frontend(prefill, decode, args.model_name).app())
+        prefill = None if args.prefill == "none" else await client(
+            rt, f"{args.namespace}.{args.prefill}", args.wait_s)
+        decode = await client(rt, f"{args.namespace}.{args.decode}", args.wait_s)
+        frontend = Frontend(prefill, decode, args.model_name, fetch_policy=policy,
+                            retries=args.retries)
+        runner = frontend.runner()
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
         print(f"[frontend] ready on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
@@ -235,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
-        await runner.cleanup()
+        await runner.cleanup()  # in-flight requests finish (aiohttp's shutdown timeout)
         rt.shutdown()
         return 0
 

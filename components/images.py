@@ -79,9 +79,12 @@ def data_uri_bytes(ref: str, limits: ImageLimits = ImageLimits()) -> bytes:
     if len(body) > limits.max_bytes * 4 // 3 + 4:
         raise ImageTooLarge(f"image is over the {limits.max_bytes}-byte limit")
     try:
-        return base64.b64decode(body, validate=True)
+        data = base64.b64decode(body, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidBase64("image data URI holds invalid base64") from None
+    if len(data) > limits.max_bytes:
+        raise ImageTooLarge(f"image is {len(data)} bytes; the limit is {limits.max_bytes}")
+    return data
 
 
 def load_image_ref(ref: str, limits: ImageLimits = ImageLimits()) -> LoadedImage:

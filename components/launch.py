@@ -23,11 +23,14 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--kv-deadline-s", type=float, default=30.0, help="decode: KV pull deadline")
     p.add_argument("--discovery", help='Dynamo discovery backend ("file", "etcd", ...)')
     p.add_argument("--request-plane", help='Dynamo request plane ("tcp" or "nats")')
+    p.add_argument("--full-media", action="store_true",
+                   help="benchmark arm: prefill hands decode the media; decode re-processes it")
     return p
 
 
-def run(role: str, spec_role: str, endpoint: str, make_handler: Callable, errors: tuple,
-        argv: list[str] | None = None) -> int:
+def run(role: str, spec_role: str | Callable, endpoint: str, make_handler: Callable,
+        errors: tuple, argv: list[str] | None = None) -> int:
+    """`spec_role`: the EngineSpec role, or a function of the parsed arguments giving it."""
     args = parser(role).parse_args(argv)
     return asyncio.run(_serve(args, spec_role, endpoint, make_handler, errors))
 
@@ -37,6 +40,8 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
     from components.tiny_model import ensure_tiny_model
     from components.vllm_adapter import EngineSpec, start_engine
 
+    if callable(spec_role):
+        spec_role = spec_role(args)
     spec = EngineSpec(model=args.model or str(ensure_tiny_model()), role=spec_role,
                       cpu_cores=args.cpu_cores, nixl_port=args.nixl_port, kv_lease_s=args.kv_lease_s)
     engine = start_engine(spec)

@@ -15,8 +15,14 @@ from typing import Any, AsyncIterator
 import msgspec
 
 from components.handoff import VERSION, Handoff
-from components.images import ImageError, ImageLimits, LoadedImage, load_image_ref
-from components.protocol import PrefillRequest, PrefillStats
+from components.images import (
+    ImageError,
+    ImageLimits,
+    LoadedImage,
+    data_uri_bytes,
+    load_image_ref,
+)
+from components.protocol import FullMediaRequest, PrefillRequest, PrefillStats
 from components.vllm_adapter import model_fingerprint, render_prompt, sampling_params
 
 
@@ -61,19 +67,31 @@ def split_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]]
 
 
 class PrefillWorker:
-    def __init__(self, engine, *, limits: ImageLimits = ImageLimits()) -> None:
+    """`full_media=True` is the benchmark arm in which decode gets the media again: the endpoint
+    then answers with a FullMediaRequest (prompt text and image bytes) instead of a Handoff."""
+
+    def __init__(self, engine, *, limits: ImageLimits = ImageLimits(),
+                 full_media: bool = False) -> None:
         self.engine = engine
         self.limits = limits
+        self.full_media = full_media
         self.fingerprint = model_fingerprint(engine)
         self.tokenizer = engine.renderer.get_tokenizer()
 
     async def prepare(self, request: PrefillRequest) -> tuple[str, list[LoadedImage]]:
         """The prompt text and the decoded images (off the event loop: decoding is CPU work)."""
-        messages, refs = split_messages(request.messages)
-        prompt = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True)
+        prompt, refs = self._prompt(request)
         images = await asyncio.to_thread(lambda: [load_image_ref(r, self.limits) for r in refs])
         return prompt, images
+
+    def _prompt(self, request: PrefillRequest) -> tuple[str, list[str]]:
+        if request.prompt is not None:  # completions: the text as given, no template, no images
+            if request.messages:
+                raise InvalidRequest("give messages or prompt, not both")
+            return request.prompt, []
+        messages, refs = split_messages(request.messages)
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True), refs
 
     async def generate(self, request: PrefillRequest) -> AsyncIterator[tuple[Handoff, PrefillStats]]:
         t0 = time.perf_counter()
@@ -110,12 +128,27 @@ class PrefillWorker:
     async def handle(self, request: dict) -> AsyncIterator[dict]:
         """Dynamo endpoint handler: a PrefillRequest in its builtin form in, one
         `{"handoff": ..., "stats": ...}` out."""
+        typed, prompt, refs = self.from_wire(request)
+        async for handoff, stats in self.generate(typed):
+            out: Any = handoff
+            if self.full_media:
+                out = FullMediaRequest(
+                    request_id=typed.request_id, prompt=prompt,
+                    images=[data_uri_bytes(r, self.limits) for r in refs],
+                    kv_transfer_params=handoff.kv_transfer_params, sampling=typed.sampling)
+            yield {"handoff": msgspec.to_builtins(out), "stats": msgspec.to_builtins(stats)}
+
+    def from_wire(self, request: dict) -> tuple[PrefillRequest, str, list[str]]:
+        """A PrefillRequest off the network, its prompt text and its image refs; a network
+        caller does not get to name files on this host, so images must be data URIs."""
         try:
             typed = msgspec.convert(request, PrefillRequest, strict=True)
         except msgspec.ValidationError as e:
-            raise InvalidRequest(f"invalid prefill request: {e}") from None
-        async for handoff, stats in self.generate(typed):
-            yield {"handoff": msgspec.to_builtins(handoff), "stats": msgspec.to_builtins(stats)}
+            raise InvalidRequest(f"invalid request: {e}") from None
+        prompt, refs = self._prompt(typed)
+        if any(not r.startswith("data:") for r in refs):
+            raise InvalidRequest("images must be data URIs")
+        return typed, prompt, refs
 
     async def handoff(self, request: PrefillRequest) -> tuple[Handoff, PrefillStats]:
         async for item in self.generate(request):
@@ -130,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     from components.launch import run
 
     def make_handler(engine, args):
-        return PrefillWorker(engine).handle
+        return PrefillWorker(engine, full_media=args.full_media).handle
 
     return run("prefill_worker", "prefill", ENDPOINT, make_handler,
                (ImageError, InvalidRequest, PrefillError), argv)

@@ -10,11 +10,14 @@ from components.handoff import Sampling
 
 
 class PrefillRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Chat messages in OpenAI form. An image part is `{"type": "image_url", "image_url": {"url":
-    "data:image/...;base64,..."}}` or `{"type": "image", "image": "<data URI or local path>"}`."""
+    """Chat messages in OpenAI form, or (completions) a raw `prompt` with no chat template and
+    no images. An image part is `{"type": "image_url", "image_url": {"url": "data:image/...;
+    base64,..."}}`; in-process callers may also give `{"type": "image", "image": "<local path>"}`
+    (the network endpoint takes data URIs only)."""
 
     request_id: str
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    prompt: str | None = None
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     cache_salt: str | None = None
 
@@ -40,6 +43,7 @@ class FullMediaRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
 class DecodeStats(msgspec.Struct, kw_only=True):
     request_bytes: int  # what decode received
+    prompt_tokens: int = -1
     prepare_ms: float  # decode-side input preparation before the engine got the request
     kv_tokens_local: int = -1  # prompt tokens found in decode's own prefix cache
     kv_tokens_pulled: int = -1  # prompt tokens pulled from prefill over NIXL

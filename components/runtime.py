@@ -24,12 +24,12 @@ class RemoteError(RuntimeError):
 
     def __init__(self, code: str, message: str, cause: str | None = None) -> None:
         super().__init__(f"[{code}] {message}")
-        self.code = code
-        self.cause = cause
+        self.code, self.message, self.cause = code, message, cause
 
 
 def error_envelope(exc: BaseException) -> dict[str, Any]:
-    return {"error": {"code": getattr(exc, "code", "internal"), "message": str(exc),
+    return {"error": {"code": getattr(exc, "code", "internal"),
+                      "message": getattr(exc, "message", str(exc)),
                       "cause": getattr(exc, "cause", None)}}
 
 
@@ -54,14 +54,21 @@ def runtime(loop: asyncio.AbstractEventLoop, *, discovery: str | None = None,
 def serve(rt, path: str, handler: Callable[[Any], AsyncIterator[Any]],
           errors: tuple[type[BaseException], ...]) -> asyncio.Future:
     """Serve `handler` at `path` ("namespace.component.endpoint"). Exceptions of the `errors`
-    types become error envelopes; anything else is logged by Dynamo and fails the stream."""
+    types become error envelopes; anything else is logged by Dynamo and fails the stream. When
+    the caller stops the stream (client gone), the handler is closed at its next item, which is
+    where workers abort their engine request and free its KV."""
 
     async def endpoint(request, context=None):
+        items = handler(request)
         try:
-            async for item in handler(request):
+            async for item in items:
+                if context is not None and context.is_stopped():
+                    return
                 yield item
         except errors as exc:
             yield error_envelope(exc)
+        finally:
+            await items.aclose()
 
     return asyncio.ensure_future(rt.endpoint(path).serve_endpoint(endpoint))
 
@@ -72,7 +79,22 @@ async def client(rt, path: str, timeout_s: float = 30.0):
     return c
 
 
-async def call(c, request: Any) -> AsyncIterator[Any]:
-    """Stream the data items of one request, raising `RemoteError` on an error envelope."""
-    async for annotated in await c.round_robin(request):
-        yield raise_for_error(annotated.data())
+async def call(c, request: Any, instance_id: int | None = None) -> AsyncIterator[Any]:
+    """Stream the data items of one request, raising `RemoteError` on an error envelope. If the
+    caller stops early (an error, a cancelled task, a closed generator), the remote handler is
+    told to stop generating."""
+    from dynamo.runtime import Context
+
+    context = Context()
+    if instance_id is None:
+        stream = await c.round_robin(request, context=context)
+    else:
+        stream = await c.direct(request, instance_id, context=context)
+    done = False
+    try:
+        async for annotated in stream:
+            yield raise_for_error(annotated.data())
+        done = True
+    finally:
+        if not done:
+            context.stop_generating()

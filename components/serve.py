@@ -5,8 +5,10 @@ Starts every component reachable from the named one (callees first), each replic
 environment; prefixes their output with `[module-i]`; waits until the frontend answers /health.
 On Ctrl-C or SIGTERM, and when any component dies (its name and exit code are printed), it stops
 all of them (SIGTERM, then SIGKILL to the whole group after a grace period) and exits: 0 on a
-requested stop, 1 when a component died. Discovery is a fresh file folder per run (no etcd or
-NATS); NIXL side-channel ports are picked free per replica.
+requested stop, 1 when a component died (no restart: a graph that lost a part says so instead of
+limping on). Discovery is a fresh file folder per run and requests go over TCP, unless the YAML
+names `etcd: <url>` (discovery through etcd) and/or `nats: <url>` (requests over NATS). NIXL
+side-channel ports are picked free per replica.
 """
 
 from __future__ import annotations
@@ -48,9 +50,26 @@ def load_config(path: str) -> dict:
         config = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         raise GraphError(f"cannot read config {path!r}: {e}") from None
-    if not isinstance(config.get("components", {}), dict):
-        raise GraphError(f"{path}: 'components' must be a mapping")
+    if not isinstance(config, dict) or not isinstance(config.get("components", {}), dict):
+        raise GraphError(f"{path}: expected a mapping with a 'components' mapping")
+    for name, spec in config.get("components", {}).items():
+        spec = spec or {}
+        replicas = spec.get("replicas", 1)
+        if not isinstance(replicas, int) or replicas < 1:
+            raise GraphError(f"{path}: {name}.replicas must be an integer >= 1")
+        if not isinstance(spec.get("args", []), list):
+            raise GraphError(f"{path}: {name}.args must be a list")
     return config
+
+
+def runtime_env(config: dict) -> dict[str, str]:
+    """Where the components find each other: files (default), or the YAML's etcd and NATS."""
+    env = {}
+    if config.get("etcd"):
+        env.update(ETCD_ENDPOINTS=str(config["etcd"]), MMHANDOFF_DISCOVERY="etcd")
+    if config.get("nats"):
+        env.update(NATS_SERVER=str(config["nats"]), MMHANDOFF_REQUEST_PLANE="nats")
+    return env
 
 
 def _port() -> int:
@@ -71,28 +90,28 @@ class Supervisor:
         self.stopping = False
         self.run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-run-"))
 
-    def command(self, module: str) -> list[str]:
-        spec = self.config.get("components", {}).get(module) or {}
+    def command(self, component) -> list[str]:
+        spec = self.config.get("components", {}).get(component.module) or {}
         args = [str(a) for a in spec.get("args", [])]
         args += ["--namespace", str(self.config.get("namespace", "mmhandoff"))]
-        if module == "frontend":
-            if self.port_override:
-                args += ["--port", str(self.port_override)]
-        else:
+        if component.module == "frontend" and self.port_override:
+            args += ["--port", str(self.port_override)]
+        if component.engine:
             if self.config.get("model"):
                 args += ["--model", str(self.config["model"])]
             args += ["--nixl-port", str(_port())]
-        return [sys.executable, "-m", f"components.{module}", *args]
+        return [sys.executable, "-m", f"components.{component.module}", *args]
 
     def start(self) -> None:
         env = dict(os.environ, DYN_FILE_KV=str(self.run_dir / "discovery"),
+                   **runtime_env(self.config),
                    **{k: str(v) for k, v in (self.config.get("env") or {}).items()})
         for component in self.components:
             spec = self.config.get("components", {}).get(component.module) or {}
             for i in range(int(spec.get("replicas", 1))):
                 name = f"{component.module}-{i}"
                 proc = subprocess.Popen(
-                    self.command(component.module), env={**env, **{k: str(v) for k, v in (
+                    self.command(component), env={**env, **{k: str(v) for k, v in (
                         spec.get("env") or {}).items()}},
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                     start_new_session=True)
@@ -151,7 +170,12 @@ class Supervisor:
 
 def serve(target: str, config_path: str, port: int | None = None) -> int:
     components = load_graph(target)
-    sup = Supervisor(components, load_config(config_path), port)
+    config = load_config(config_path)
+    unknown = set(config.get("components", {})) - {c.module for c in components}
+    if unknown:
+        raise GraphError(f"{config_path} configures {sorted(unknown)}, which {target} does not "
+                         f"reach ({', '.join(c.module for c in components)})")
+    sup = Supervisor(components, config, port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -164,7 +188,7 @@ def serve(target: str, config_path: str, port: int | None = None) -> int:
             print(f"[serve] not ready: {sup.dead() or 'timed out'}", flush=True)
         while code == 0 and not stop.wait(0.5):
             if dead := sup.dead():
-                print(f"[serve] component died: " + ", ".join(
+                print("[serve] component died: " + ", ".join(
                     f"{n} (exit {rc})" for n, rc in dead) + "; stopping the graph", flush=True)
                 code = 1
     finally:

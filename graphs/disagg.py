@@ -2,6 +2,6 @@
 
 from graphs.graph import Component
 
-Frontend = Component("frontend")
+Frontend = Component("frontend", engine=False)
 Prefill = Frontend.link(Component("prefill_worker"))
 Decode = Prefill.link(Component("decode_worker"))

@@ -1,8 +1,9 @@
 """A graph is a set of components that reach each other: `Frontend.link(Prefill).link(Decode)`.
 
-A Component names the module that runs it (`python -m components.<module>`); nothing else lives
-here, so every component also runs alone. Replicas, arguments and environment come from the
-graph's YAML (configs/).
+A Component names the module that runs it (`python -m components.<module>`) and whether it runs
+an engine (then `serve` hands it the model and a NIXL port); nothing else lives here, so every
+component also runs alone. Replicas, arguments and environment come from the graph's YAML
+(configs/).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 @dataclass(eq=False)
 class Component:
     module: str
+    engine: bool = True
     links: list["Component"] = field(default_factory=list)
 
     def link(self, other: "Component") -> "Component":

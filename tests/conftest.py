@@ -70,6 +70,7 @@ class Engines:
     decode_events: Any
     lease_s: int
     prefill_load: Any
+    decode_load: Any
 
 
 def start(loop: Loop, spec, load=None) -> Any:
@@ -87,19 +88,21 @@ def engines(loop, tiny_model):
     from components.vllm_adapter import EngineLoad, EngineSpec
 
     lease_s = 8
-    prefill_load = EngineLoad()
+    prefill_load, decode_load = EngineLoad(), EngineLoad()
     p_events, d_events = free_port(), free_port()
     common = dict(model=tiny_model, dtype="float32", kv_cache_gib=1)
     prefill = start(loop, EngineSpec(role="prefill", cpu_cores="0", nixl_port=free_port(),
                                      kv_lease_s=lease_s, kv_events_endpoint=f"tcp://*:{p_events}",
                                      **common), prefill_load)
     decode = start(loop, EngineSpec(role="decode", cpu_cores="1", nixl_port=free_port(),
-                                    kv_events_endpoint=f"tcp://*:{d_events}", **common))
+                                    kv_events_endpoint=f"tcp://*:{d_events}", **common),
+                   decode_load)
     full = start(loop, EngineSpec(role="full_media_decode", cpu_cores="1", nixl_port=free_port(),
                                   **common))
     e = Engines(prefill, decode, full,
                 KVEventSubscriber(f"tcp://127.0.0.1:{p_events}"),
-                KVEventSubscriber(f"tcp://127.0.0.1:{d_events}"), lease_s, prefill_load)
+                KVEventSubscriber(f"tcp://127.0.0.1:{d_events}"), lease_s, prefill_load,
+                decode_load)
     yield e
     for sub in (e.prefill_events, e.decode_events):
         sub.close()
@@ -156,3 +159,54 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
 def chat(text: str, *uris: str) -> list[dict]:
     parts = [{"type": "image_url", "image_url": {"url": u}} for u in uris]
     return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+# ---- a loopback HTTP server for image URLs -------------------------------------------------------
+IMAGE_SERVER_PNG = encode(make_image(120, 90, 65))
+
+
+def serve_app(loop: Loop, app_runner) -> str:
+    """Start an aiohttp AppRunner on a free loopback port (on the test loop); its base URL."""
+    port = free_port()
+
+    async def up():
+        from aiohttp import web
+
+        await app_runner.setup()
+        await web.TCPSite(app_runner, "127.0.0.1", port).start()
+
+    loop.run(up())
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def image_server(loop):
+    """A loopback HTTP server with the cases an image fetch meets."""
+    from aiohttp import web
+
+    async def slow(request):
+        await asyncio.sleep(30)  # longer than the fetch time limit under test
+        return web.Response(body=IMAGE_SERVER_PNG)
+
+    def answer(make):
+        async def handler(request):
+            return make()
+        return handler
+
+    def redirect(location):
+        async def handler(request):
+            raise web.HTTPFound(location)
+        return handler
+
+    app = web.Application()
+    app.router.add_get("/img.png", answer(lambda: web.Response(body=IMAGE_SERVER_PNG,
+                                                               content_type="image/png")))
+    app.router.add_get("/big", answer(lambda: web.Response(body=b"\0" * (3 << 20))))
+    app.router.add_get("/text", answer(lambda: web.Response(text="not an image")))
+    app.router.add_get("/slow", slow)
+    app.router.add_get("/to-img", redirect("/img.png"))
+    app.router.add_get("/to-metadata", redirect("http://169.254.169.254/latest/meta-data/"))
+    runner = web.AppRunner(app)
+    url = serve_app(loop, runner)
+    yield url
+    loop.run(runner.cleanup())

@@ -1,38 +1,51 @@
-"""The OpenAI-compatible frontend over the Dynamo endpoints, driven by the official openai client."""
+"""The OpenAI-compatible frontend over the Dynamo endpoints, driven by the official openai client:
+answers equal the in-process path, bad input gets the documented 4xx, image URLs go through the
+fetch guard, /metrics counts, and a client that leaves mid-answer leaves nothing running."""
 
 from __future__ import annotations
 
 import base64
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
+from PIL import Image
 
 from components.frontend import Frontend, FrontendLimits
-from tests.conftest import data_uri, encode, free_port, make_image
+from components.image_fetch import FetchPolicy
+from tests.conftest import IMAGE_SERVER_PNG as PNG
+from tests.conftest import data_uri, encode, make_image, serve_app as _start
 from tests.flows import greedy, handoff_run
 
 MODEL = "tiny-llava"
 
 
+def _frontend(loop, dynamo, **kw):
+    _, _, p, d = dynamo
+    frontend = Frontend(p, d, MODEL, limits=FrontendLimits(max_body_bytes=2 << 20, max_images=2,
+                                                           max_image_bytes=1 << 20), **kw)
+    runner = frontend.runner()
+    return frontend, runner, _start(loop, runner)
+
+
 @pytest.fixture(scope="module")
 def server(loop, dynamo):
-    from aiohttp import web
+    """Default policy: image URLs may reach public addresses only."""
+    frontend, runner, url = _frontend(loop, dynamo)
+    yield url
+    loop.run(runner.cleanup())
 
-    _, _, p, d = dynamo
-    port = free_port()
-    limits = FrontendLimits(max_body_bytes=2 * 1024 * 1024, max_images=2)
 
-    async def up():
-        runner = web.AppRunner(Frontend(p, d, MODEL, limits=limits).app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    runner = loop.run(up())
-    yield f"http://127.0.0.1:{port}"
+@pytest.fixture(scope="module")
+def open_server(loop, dynamo):
+    """Loopback allowed for image URLs, through explicit config, as the test image server needs."""
+    policy = FetchPolicy(allow_networks=FetchPolicy.networks("127.0.0.0/8"), timeout_s=2)
+    frontend, runner, url = _frontend(loop, dynamo, fetch_policy=policy)
+    yield frontend, url
     loop.run(runner.cleanup())
 
 
@@ -41,13 +54,18 @@ def _messages(*uris, text="What is it?"):
     return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
 
 
-def test_chat_with_images_streaming_and_not(loop, server, dynamo):
+def test_chat_with_images_streaming_and_not(loop, open_server, image_server, dynamo):
     prefill, decode, _, _ = dynamo
-    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+    _, url = open_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == [MODEL]
-    for uris in ([data_uri(encode(make_image(200, 150, 61)))],
-                 [data_uri(encode(make_image(200, 150, 62))),
-                  data_uri(encode(make_image(320, 200, 63), "JPEG"), "image/jpeg")]):
+    cases = [
+        ([data_uri(encode(make_image(200, 150, 61)))], None),
+        ([data_uri(encode(make_image(200, 150, 62))),
+          data_uri(encode(make_image(320, 200, 63), "JPEG"), "image/jpeg")], None),
+        ([image_server + "/to-img"], [data_uri(PNG)]),  # fetched over http, after a redirect
+    ]
+    for uris, same_as in cases:
         messages = _messages(*uris)
         plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
                                                temperature=0)
@@ -56,16 +74,40 @@ def test_chat_with_images_streaming_and_not(loop, server, dynamo):
                 model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True)
             if c.choices)
         # reference: the same request through the workers in-process
-        tokens, _, h = loop.run(handoff_run(prefill, decode, "ref", messages, greedy(12)))
+        tokens, _, h = loop.run(handoff_run(prefill, decode, "ref", _messages(*(same_as or uris)),
+                                            greedy(12)))
         expected = decode.engine.renderer.get_tokenizer().decode(tokens, skip_special_tokens=True)
         assert plain.choices[0].message.content == streamed == expected
         assert plain.usage.prompt_tokens == len(h.token_ids)
         assert plain.usage.completion_tokens == len(tokens)
+        stats = plain.model_extra["mmhandoff"]
+        assert 0 < stats["request_bytes"] < 4096 and stats["kv_tokens_pulled"] > 0
 
 
-def _post(server, body: bytes, content_type="application/json"):
-    req = urllib.request.Request(server + "/v1/chat/completions", data=body,
-                                 headers={"Content-Type": content_type})
+def test_completions_equal_the_engine_on_the_raw_prompt(loop, server, engines):
+    from vllm import SamplingParams
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+    prompt = "USER: Say something about blocks. ASSISTANT:"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True) if c.choices)
+
+    async def reference():  # the aggregated engine on the same text, no template
+        async for out in engines.full.generate({"prompt": prompt},
+                                               SamplingParams(max_tokens=10, temperature=0),
+                                               "cmpl-ref"):
+            final = out
+        return final
+
+    ref = loop.run(reference())
+    assert plain.choices[0].text == streamed == ref.outputs[0].text
+    assert plain.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def _post(url, body: bytes, path="/v1/chat/completions"):
+    req = urllib.request.Request(url + path, data=body,
+                                 headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -85,10 +127,21 @@ BAD_CASES = {
     "not an image": (_chat_body("data:image/png;base64," + base64.b64encode(b"hello").decode()),
                      400, "invalid_image"),
     "too many images": (_chat_body(GOOD, GOOD, GOOD), 400, "too_many_images"),
-    "body too large": (_chat_body(data_uri(b"\0" * (3 * 1024 * 1024))), 413, "body_too_large"),
-    "image URL": (_chat_body("http://127.0.0.1:1/x.png"), 400, "image_url_not_supported"),
+    "body too large": (_chat_body(data_uri(b"\0" * (3 << 20))), 413, "body_too_large"),
+    "image bytes": (_chat_body(data_uri(b"\0" * (1 << 20) + b"\0")), 413, "image_too_large"),
+    "pixels": (_chat_body(data_uri(encode(Image.new("RGB", (8000, 7000))))), 413,
+               "image_too_large"),  # 56 MP in a small PNG
+    "URL to 10/8": (_chat_body("http://10.1.2.3/x.png"), 400, "image_url_forbidden"),
+    "URL to metadata": (_chat_body("http://169.254.169.254/latest/meta-data/"), 400,
+                        "image_url_forbidden"),
+    "URL to localhost": (_chat_body("http://localhost:9/x.png"), 400, "image_url_forbidden"),
+    "URL to ::1": (_chat_body("http://[::1]:9/x.png"), 400, "image_url_forbidden"),
+    "file URL": (_chat_body("file:///etc/passwd"), 400, "invalid_image_url"),
+    "server-side path part": (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image", "image": "/etc/passwd"}]}]}).encode(), 400, "invalid_content_part"),
     "no messages": (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "invalid_messages"),
     "bad max_tokens": (_chat_body(GOOD, max_tokens=-3), 400, "invalid_max_tokens"),
+    "zero max_tokens": (_chat_body(GOOD, max_tokens=0), 400, "invalid_max_tokens"),
 }
 
 
@@ -100,3 +153,97 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server, case):
     assert got["error"]["message"]
     ok_status, ok = _post(server, _chat_body(GOOD))
     assert ok_status == 200 and ok["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+URL_CASES = {  # path on the loopback image server -> (status, code), with loopback allowed
+    "/text": (400, "invalid_image"),
+    "/big": (413, "image_too_large"),
+    "/slow": (400, "image_fetch_failed"),
+    "/missing": (400, "image_fetch_failed"),
+    "/to-metadata": (400, "image_url_forbidden"),  # a redirect is checked again
+}
+
+
+@pytest.mark.parametrize("path", list(URL_CASES))
+def test_image_url_guard_with_loopback_allowed(open_server, image_server, path):
+    _, url = open_server
+    got_status, got = _post(url, _chat_body(image_server + path))
+    assert (got_status, got["error"]["code"]) == URL_CASES[path]
+
+
+def test_completions_bad_input(server):
+    for body, code in [({"model": MODEL, "prompt": ""}, "invalid_prompt"),
+                       ({"model": MODEL, "prompt": ["a", "b"]}, "invalid_prompt"),
+                       ({"model": "nope", "prompt": "x"}, "model_not_found")]:
+        status, got = _post(server, json.dumps(body).encode(), "/v1/completions")
+        assert status in (400, 404) and got["error"]["code"] == code
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def test_metrics_and_cancellation(loop, open_server, engines):
+    """A streaming client that leaves mid-answer: the request is aborted on decode (no request
+    running, no KV held on any engine), and /metrics counted it all."""
+    from vllm import SamplingParams
+
+    frontend, url = open_server
+
+    def scrape() -> str:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def idle(engine, load, tag):  # step the engine once so its load is current
+        async def poke():
+            async for _ in engine.generate({"prompt": "hi"}, SamplingParams(max_tokens=1), tag):
+                pass
+        loop.run(poke())
+        return load.kv_cache_usage, engine.output_processor.get_num_unfinished_requests()
+
+    base = {name: idle(e, l, f"base-{name}")[0] for name, e, l in (
+        ("prefill", engines.prefill, engines.prefill_load),
+        ("decode", engines.decode, engines.decode_load))}
+    before, generated = scrape(), engines.decode_load.generation_tokens
+
+    body = json.dumps({"model": MODEL, "messages": _messages(GOOD), "max_tokens": 1000,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+                  b"\r\n\r\n" + body)
+        got = b""
+        while got.count(b"data: ") < 3:  # the answer is flowing
+            piece = s.recv(65536)
+            assert piece, got
+            got += piece
+        assert b" 200 " in got.split(b"\r\n", 1)[0]
+    running_while = engines.decode.output_processor.get_num_unfinished_requests()
+    assert running_while >= 1
+
+    deadline, state = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        state = {name: idle(e, l, f"after-{name}-{time.monotonic()}") for name, e, l in (
+            ("prefill", engines.prefill, engines.prefill_load),
+            ("decode", engines.decode, engines.decode_load))}
+        if all(usage <= base[n] and unfinished == 0 for n, (usage, unfinished) in state.items()):
+            break
+        time.sleep(0.2)
+    assert all(usage <= base[n] and unfinished == 0 for n, (usage, unfinished) in state.items()), \
+        (state, base, running_while)
+    # aborted, not run to its end: far fewer than the 1000 tokens asked for were generated
+    assert engines.decode_load.generation_tokens - generated < 500
+
+    after = scrape()
+    assert _metric(after, "mmhandoff_client_disconnects_total") == \
+        _metric(before, "mmhandoff_client_disconnects_total") + 1
+    assert _metric(after, 'mmhandoff_requests_total{api="chat"}') >= 1
+    assert _metric(after, "mmhandoff_time_to_first_token_seconds_count") >= \
+        _metric(before, "mmhandoff_time_to_first_token_seconds_count") + 1
+    for name in ("mmhandoff_request_errors_total", "mmhandoff_handoff_bytes_count",
+                 "mmhandoff_kv_pulled_tokens_total", "mmhandoff_retries_total",
+                 "mmhandoff_inter_token_latency_seconds_count",
+                 "mmhandoff_decode_first_token_seconds_count"):
+        assert name in after

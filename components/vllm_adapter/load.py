@@ -1,4 +1,5 @@
-"""An engine's latest scheduler load (KV cache usage, running and waiting requests).
+"""An engine's latest scheduler load (KV cache usage, running and waiting requests) and the
+tokens it has generated.
 
 vLLM hands scheduler stats to stat loggers after every engine step; `EngineLoad.logger_factory`
 is such a logger (a public extension point of AsyncLLM), so reading the load costs no call into
@@ -17,6 +18,7 @@ class EngineLoad:
         self.kv_cache_usage = 0.0
         self.num_running = 0
         self.num_waiting = 0
+        self.generation_tokens = 0  # generated since start, all requests
         self.updated_at = 0.0  # time.monotonic() of the last step seen; 0: none yet
 
     def logger_factory(self):
@@ -32,6 +34,8 @@ class EngineLoad:
                     load.num_running = scheduler_stats.num_running_reqs
                     load.num_waiting = scheduler_stats.num_waiting_reqs
                     load.updated_at = time.monotonic()
+                if iteration_stats is not None:
+                    load.generation_tokens += iteration_stats.num_generation_tokens
 
             def log_engine_initialized(self) -> None:
                 pass

@@ -1,0 +1,104 @@
+"""The graphs as users run them: `mmhandoff serve` on one host, driven by the official openai
+client. The disagg graph answers exactly as the agg graph does (temperature 0), with file
+discovery + TCP and with real etcd + NATS; Ctrl-C, SIGTERM and a crashed component all end with
+no process left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import urllib.request
+
+import openai
+import pytest
+
+from tests.conftest import data_uri, encode, make_image
+from tests.graphs import Graph, Servers
+
+MODEL = "tiny-llava"
+ALLOW_LOOPBACK_IMAGES = ["--allow-image-networks", "127.0.0.0/8"]  # the test image server
+
+
+def _questions(image_server: str) -> dict[str, list[dict]]:
+    def ask(text, *urls):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}}
+                                             for u in urls] + [{"type": "text", "text": text}]}]
+    return {
+        "data URI": ask("What is in it?", data_uri(encode(make_image(200, 150, 91)))),
+        "http URL": ask("And this one?", image_server + "/img.png"),
+        "two images": ask("Compare them.", data_uri(encode(make_image(160, 120, 92))),
+                          data_uri(encode(make_image(96, 128, 93), "JPEG"), "image/jpeg")),
+        "text only": [{"role": "user", "content": "No picture today."}],
+    }
+
+
+def _answers(url: str, questions: dict) -> dict:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    out = {}
+    for name, messages in questions.items():
+        plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if c.choices)
+        assert plain.choices[0].message.content == streamed, name
+        out[name] = (streamed, plain.usage.prompt_tokens, plain.usage.completion_tokens,
+                     plain.model_extra["mmhandoff"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def agg_answers(tmp_path_factory, image_server):
+    """The reference: the agg graph (one engine, no handoff); stopped with Ctrl-C."""
+    graph = Graph("graphs.agg:Frontend", "configs/agg.yaml", tmp_path_factory.mktemp("agg"),
+                  frontend_args=ALLOW_LOOPBACK_IMAGES)
+    with graph.failing_loudly():
+        answers = _answers(graph.url, _questions(image_server))
+        graph.stop(signal.SIGINT)
+    assert all(stats["request_bytes"] == 0 for *_, stats in answers.values())
+    return answers
+
+
+def _check_equal_to_agg(got: dict, agg: dict) -> None:
+    for name, (text, prompt_tokens, completion_tokens, stats) in got.items():
+        assert (text, prompt_tokens, completion_tokens) == agg[name][:3], name
+        assert completion_tokens == 10
+        assert 0 < stats["request_bytes"] < 4096  # the handoff, never the media
+        if name != "text only":  # KV origin is reported for image requests
+            assert stats["kv_tokens_pulled"] > 0 or stats["kv_tokens_local"] > 0, (name, stats)
+
+
+def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers):
+    graph = Graph("graphs.disagg:Frontend", "configs/disagg.yaml", tmp_path,
+                  frontend_args=ALLOW_LOOPBACK_IMAGES)
+    with graph.failing_loudly():
+        _check_equal_to_agg(_answers(graph.url, _questions(image_server)), agg_answers)
+        assert any(line.startswith("[decode_worker-0]") for line in graph.log)
+        graph.stop(signal.SIGTERM)
+
+
+def test_disagg_graph_on_etcd_and_nats_then_a_crash(tmp_path, image_server, agg_answers):
+    servers = Servers(tmp_path)
+    try:
+        graph = Graph("graphs.disagg:Frontend", "configs/disagg.yaml", tmp_path,
+                      frontend_args=ALLOW_LOOPBACK_IMAGES, etcd=servers.etcd_url,
+                      nats=servers.nats_url, namespace="mmh-etcd")
+        with graph.failing_loudly():
+            _check_equal_to_agg(_answers(graph.url, _questions(image_server)), agg_answers)
+            # the components really registered in etcd and talk through NATS
+            keys = subprocess.run([servers.etcdctl, "--endpoints", servers.etcd_url, "get",
+                                   "--prefix", "", "--keys-only"], capture_output=True,
+                                  text=True, check=True).stdout
+            assert "mmh-etcd" in keys, keys
+            with urllib.request.urlopen(servers.nats_monitor + "/connz", timeout=10) as r:
+                assert json.loads(r.read())["num_connections"] >= 3
+            # a component dies: serve names it, stops the rest, exits 1, leaves nothing
+            os.kill(graph.pid_of("decode_worker"), signal.SIGKILL)
+            graph.wait(expect=1)
+            assert any("component died: decode_worker-0" in line for line in graph.log), \
+                graph.tail()
+    finally:
+        servers.close()
