@@ -18,12 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import os
-import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,65 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-
-def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def jpeg(width: int, height: int, seed: int) -> bytes:
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    base = np.stack([x / width, y / height, (x + y) / (width + height)], -1) * 255
-    img = np.clip(base * rng.uniform(0.3, 1, 3) + rng.normal(0, 20, (height, width, 3)), 0, 255)
-    buf = io.BytesIO()
-    Image.fromarray(img.astype(np.uint8)).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
-class PeakRSS:
-    """Samples the resident memory of each engine's processes (engine core + workers)."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self.me = psutil.Process()
-        self.groups: dict[str, set[int]] = {}
-        self.peak: dict[str, int] = {}
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def children(self) -> set[int]:
-        return {p.pid for p in self.me.children(recursive=True)}
-
-    def add(self, name: str, pids: set[int]) -> None:
-        self.groups[name] = pids
-        self.peak[name] = 0
-
-    def _run(self) -> None:
-        import psutil
-
-        while not self._stop.wait(0.2):
-            for name, pids in list(self.groups.items()):
-                total = 0
-                for pid in pids:
-                    try:
-                        total += psutil.Process(pid).memory_info().rss
-                    except psutil.Error:
-                        pass
-                self.peak[name] = max(self.peak[name], total)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def pct(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+from benchmarks.common import PeakRSS, jpeg, pct, port  # noqa: E402
 
 
 async def main(args) -> None:

@@ -57,7 +57,7 @@ class Frontend:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.limits.max_body_bytes,
                               middlewares=[self._errors])
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -88,6 +88,14 @@ class Frontend:
         return web.json_response(
             {"error": {"message": str(error), "type": error.kind, "code": error.code}},
             status=error.status)
+
+    async def _health(self, request) -> web.Response:
+        """200 while every endpoint it calls has a live instance (Dynamo discovery), else 503."""
+        instances = {name: len(c.instance_ids()) for name, c in
+                     (("prefill", self.prefill), ("decode", self.decode)) if c is not None}
+        ok = all(instances.values())
+        return web.json_response({"status": "ok" if ok else "unavailable",
+                                  "instances": instances}, status=200 if ok else 503)
 
     async def _metrics(self, request) -> web.Response:
         return web.Response(body=self.metrics.render(),
@@ -182,12 +190,15 @@ class Frontend:
                                "server_error" if status == 503 else "invalid_request_error") from None
 
     async def _decode(self, prefill_request) -> AsyncIterator[dict]:
-        request = msgspec.to_builtins(prefill_request)
+        """Decode's chunks; the last one's stats also carry prefill's (key `prefill`)."""
+        request, prefill_stats = msgspec.to_builtins(prefill_request), None
         if self.prefill is not None:
             answers = [a async for a in call(self.prefill, request)]
-            request = answers[0]["handoff"]
+            request, prefill_stats = answers[0]["handoff"], answers[0].get("stats")
         async with aclosing(call(self.decode, request)) as chunks:
             async for chunk in chunks:
+                if chunk.get("stats") and prefill_stats:
+                    chunk["stats"]["prefill"] = prefill_stats
                 yield chunk
 
 

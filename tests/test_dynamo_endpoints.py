@@ -58,3 +58,57 @@ def test_typed_errors_cross_the_runtime(loop, dynamo):
     with pytest.raises(RemoteError) as err:
         loop.run(_all(call(d, no_kv)))
     assert err.value.code == "kv_coverage" and err.value.cause.startswith("no KV")
+
+
+def test_router_passes_handoffs_and_errors_through(loop, dynamo):
+    """The disagg_router graph's router (pass-through until the KV router lands): the same
+    tokens as decode directly, and decode's typed errors arrive unchanged."""
+    import asyncio
+
+    from components.router import Router
+    from components.runtime import client, runtime, serve
+
+    _, _, p, d = dynamo
+
+    async def up():
+        rt = runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
+        serve(rt, "mmhtest.router.generate", Router(d).handle, ())
+        return rt, await client(rt, "mmhtest.router.generate")
+
+    rt, r = loop.run(up())
+    try:
+        request = PrefillRequest(request_id="dyn-r", sampling=greedy(8, ignore_eos=True),
+                                 messages=chat("Routed?", data_uri(encode(make_image(90, 70, 79)))))
+        (first,) = loop.run(_all(call(p, msgspec.to_builtins(request))))
+        (second,) = loop.run(_all(call(p, msgspec.to_builtins(request))))
+        routed = [t for c in loop.run(_all(call(r, first["handoff"]))) for t in c["token_ids"]]
+        direct = [t for c in loop.run(_all(call(d, second["handoff"]))) for t in c["token_ids"]]
+        assert routed == direct and len(routed) == 8
+        with pytest.raises(RemoteError) as err:
+            loop.run(_all(call(r, dict(first["handoff"], kv_transfer_params={}))))
+        assert err.value.code == "kv_coverage" and err.value.message.startswith("request")
+    finally:
+        rt.shutdown()
+
+
+def test_full_media_arm_endpoint_handlers(loop, dynamo, engines):
+    """The benchmark arm's endpoint handlers, in their wire forms: prefill answers with prompt + image bytes, decode (with the
+    vision tower) re-processes them; same tokens as the handoff, and decode got the media."""
+    from components.decode_worker import FullMediaDecodeWorker
+    from components.prefill_worker import PrefillWorker
+
+    prefill, _, p, d = dynamo
+    png = encode(make_image(160, 120, 80))
+    request = PrefillRequest(request_id="dyn-f", sampling=greedy(8, ignore_eos=True),
+                             messages=chat("Full media?", data_uri(png)))
+    (answer,) = loop.run(_all(PrefillWorker(engines.prefill, full_media=True).handle(
+        msgspec.to_builtins(request))))
+    assert "token_ids" not in answer["handoff"]  # a FullMediaRequest, not a Handoff
+    chunks = loop.run(_all(FullMediaDecodeWorker(engines.full).handle(answer["handoff"])))
+    full = [t for c in chunks for t in c["token_ids"]]
+    assert chunks[-1]["stats"]["request_bytes"] > len(png)  # the media went to decode
+
+    (h,) = loop.run(_all(call(p, msgspec.to_builtins(msgspec.structs.replace(
+        request, request_id="dyn-f2")))))
+    handoff = [t for c in loop.run(_all(call(d, h["handoff"]))) for t in c["token_ids"]]
+    assert full == handoff and len(full) == 8

@@ -247,3 +247,32 @@ def test_metrics_and_cancellation(loop, open_server, engines):
                  "mmhandoff_inter_token_latency_seconds_count",
                  "mmhandoff_decode_first_token_seconds_count"):
         assert name in after
+
+
+def test_health_names_an_endpoint_without_instances(loop, dynamo):
+    import asyncio
+
+    from components.runtime import runtime
+
+    _, _, p, d = dynamo
+
+    async def missing_client():
+        rt = runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
+        return rt, await rt.endpoint("mmhtest.missing.generate").client()
+
+    rt, missing = loop.run(missing_client())
+    try:
+        for decode, status, instances in ((d, 200, 1), (missing, 503, 0)):
+            runner = Frontend(p, decode, MODEL).runner()
+            url = _start(loop, runner)
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=10) as r:
+                    got_status, body = r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                got_status, body = e.code, json.loads(e.read())
+            finally:
+                loop.run(runner.cleanup())
+            assert got_status == status and body["instances"] == {"prefill": 1,
+                                                                   "decode": instances}
+    finally:
+        rt.shutdown()

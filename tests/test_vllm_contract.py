@@ -84,3 +84,21 @@ def test_nixl_agent_config_hook():
         config.pthrDelay = 0
         assert config.pthrDelay == 250
     assert api.nixlBind.nixlAgentConfig().__class__.__name__ == "nixlAgentConfig"
+
+
+def test_engine_compute_threads_stay_on_their_cores(engines):
+    """vLLM's NIXL worker re-pins the model's compute thread to the machine's last core on CPU;
+    the adapter's connector puts it back: each engine's model runs on the cores it was given
+    (conftest: prefill "0", decode and full-media "1")."""
+    import os
+
+    import psutil
+
+    for name, engine, cores in (("prefill", engines.prefill, {0}), ("decode", engines.decode, {1}),
+                                ("full", engines.full, {1})):
+        core_pid = engine.engine_core.resources.engine_manager.processes[0].pid
+        workers = [p for p in psutil.Process(core_pid).children(recursive=True)
+                   if p.name() == "VLLM::Worker"]
+        assert workers, name
+        for w in workers:  # the worker's main thread is the model's compute thread
+            assert os.sched_getaffinity(w.pid) == cores, name

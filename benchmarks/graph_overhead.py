@@ -1,0 +1,179 @@
+"""Graph overhead: the disagg graph through the HTTP frontend vs the same handoff in-process.
+
+    .venv/bin/python benchmarks/graph_overhead.py [--requests 32] [--rounds 3]
+
+Arms (same engine settings, same cores, same images, distinct per request so no prefix cache
+helps either arm):
+- in-process: PrefillWorker.handoff -> DecodeWorker.generate in this process (no runtime, no HTTP);
+- graph:      `mmhandoff serve graphs.disagg:Frontend -f configs/disagg.yaml`, streaming chat
+              requests over HTTP: frontend checks, Dynamo TCP to prefill and to decode, SSE.
+Both arms are up at once (an idle engine costs ~0.03 core) and take turns, round after round, so
+the machine's noise falls on both. Per arm and concurrency (1 and 8): TTFT p50/p95 (request sent
+to first token received) and throughput (requests/s); then the graph's added TTFT p50 in ms (the
+target: at most 5 ms) and the throughput ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+from benchmarks.common import jpeg, pct, port  # noqa: E402
+
+MAX_TOKENS = 32
+
+
+def messages(image: bytes) -> list[dict]:
+    uri = "data:image/jpeg;base64," + base64.b64encode(image).decode()
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                         {"type": "text", "text": "Describe it."}]}]
+
+
+class InProcess:
+    def __init__(self) -> None:
+        from components.decode_worker import DecodeWorker
+        from components.prefill_worker import PrefillWorker
+        from components.tiny_model import ensure_tiny_model
+        from components.vllm_adapter import EngineSpec, start_engine
+
+        model = str(ensure_tiny_model())  # the settings `launch` gives the graph's workers
+        self.engines = [start_engine(EngineSpec(model=model, role=role, cpu_cores=core,
+                                                nixl_port=port()))
+                        for role, core in (("prefill", "0"), ("decode", "1"))]
+        self.prefill = PrefillWorker(self.engines[0])
+        self.decode = DecodeWorker(self.engines[1])
+
+    async def request(self, rid: str, image: bytes) -> float:
+        from components.handoff import Sampling
+        from components.protocol import PrefillRequest
+
+        t0 = time.perf_counter()
+        handoff, _ = await self.prefill.handoff(PrefillRequest(
+            request_id=rid, messages=messages(image),
+            sampling=Sampling(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)))
+        ttft = None
+        async for _ in self.decode.generate(handoff):
+            ttft = ttft or time.perf_counter() - t0
+        return ttft
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.shutdown()
+
+
+class Graph:
+    def __init__(self, log: Path) -> None:
+        self.port = port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "components.cli", "serve", "graphs.disagg:Frontend", "-f",
+             str(ROOT / "configs/disagg.yaml"), "--port", str(self.port)],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the graph exited; see {log}"
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).close()
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"the graph was not ready in 600 s; see {log}")
+
+    async def request(self, session, rid: str, image: bytes) -> float:
+        body = {"model": "tiny-llava", "messages": messages(image), "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        t0 = time.perf_counter()
+        ttft = None
+        async with session.post(self.url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            async for line in response.content:
+                if line.startswith(b"data: {") and ttft is None:
+                    ttft = time.perf_counter() - t0
+                    assert "error" not in json.loads(line[6:])
+        return ttft
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=90)
+        self.log.close()
+
+
+async def batch(request, images: list[bytes], concurrency: int, tag: str):
+    """TTFTs (s) and requests/s of `images` sent with at most `concurrency` in flight."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i, image):
+        async with gate:
+            return await request(f"{tag}-{i}", image)
+
+    t0 = time.perf_counter()
+    ttfts = await asyncio.gather(*(one(i, im) for i, im in enumerate(images)))
+    return list(ttfts), len(images) / (time.perf_counter() - t0)
+
+
+async def main(args) -> None:
+    import aiohttp
+
+    run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-bench-"))
+    print(f"starting the graph and the in-process engines (log: {run_dir}/graph.log)",
+          flush=True)
+    graph = Graph(run_dir / "graph.log")
+    local = InProcess()  # on this loop: AsyncLLM binds its output handler to it
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+    arms = {"in-process": local.request,
+            "graph": lambda rid, image: graph.request(session, rid, image)}
+    results = {(arm, c): ([], []) for arm in arms for c in (1, 8)}
+    try:
+        for arm, request in arms.items():  # warm-up: first-use costs out of the figures
+            await batch(request, [jpeg(640, 480, 90 + i) for i in range(4)], 2, f"warm-{arm}")
+        for r in range(args.rounds):
+            for c in (1, 8):
+                n = args.requests if c == 8 else max(8, args.requests // 4)
+                images = [jpeg(640, 480, 1000 * (r + 1) + 100 * c + i) for i in range(n)]
+                for arm, request in (arms.items() if r % 2 == 0 else reversed(arms.items())):
+                    ttfts, rps = await batch(request, images, c, f"{arm}-{r}-{c}")
+                    results[arm, c][0].extend(ttfts)
+                    results[arm, c][1].append(rps)
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    finally:
+        await session.close()
+        graph.close()
+        local.close()
+
+    print(f"\n640x480 JPEG, {MAX_TOKENS} output tokens, tiny model; {args.rounds} rounds\n")
+    print("| concurrency | arm | requests | TTFT p50 ms | TTFT p95 ms | requests/s |")
+    print("|---|---|---|---|---|---|")
+    for (arm, c), (ttfts, rps) in results.items():
+        print(f"| {c} | {arm} | {len(ttfts)} | {pct(ttfts, 50) * 1e3:.1f} | "
+              f"{pct(ttfts, 95) * 1e3:.1f} | {statistics.median(rps):.2f} |")
+    print()
+    for c in (1, 8):
+        local_ttft, graph_ttft = (pct(results[a, c][0], 50) for a in arms)
+        ratio = statistics.median(results["graph", c][1]) / statistics.median(
+            results["in-process", c][1])
+        print(f"concurrency {c}: graph adds {(graph_ttft - local_ttft) * 1e3:+.1f} ms to TTFT p50 "
+              f"(ratio {graph_ttft / local_ttft:.2f}); throughput ratio graph/in-process "
+              f"{ratio:.2f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=32, help="requests per round at conc 8")
+    parser.add_argument("--rounds", type=int, default=3)
+    asyncio.run(main(parser.parse_args()))
