@@ -7,8 +7,8 @@ helps either arm):
 - in-process: PrefillWorker.handoff -> DecodeWorker.generate in this process (no runtime, no HTTP);
 - graph:      `mmhandoff serve graphs.disagg:Frontend -f configs/disagg.yaml`, streaming chat
               requests over HTTP: frontend checks, Dynamo TCP to prefill and to decode, SSE.
-Both arms are up at once (an idle engine costs ~0.03 core) and take turns, round after round, so
-the machine's noise falls on both. Per arm and concurrency (1 and 8): TTFT p50/p95 (request sent
+The arms run one after the other in one run (with both up at once, the idle arm's processes
+skewed the other on 2 cores). Per arm and concurrency (1 and 8): TTFT p50/p95 (request sent
 to first token received) and throughput (requests/s); then the graph's added TTFT p50 in ms (the
 target: at most 5 ms) and the throughput ratio.
 """
@@ -127,46 +127,57 @@ async def batch(request, images: list[bytes], concurrency: int, tag: str):
     return list(ttfts), len(images) / (time.perf_counter() - t0)
 
 
+async def measure(request, args, tag: str) -> dict:
+    """Warm-up, then `rounds` rounds at concurrency 1 and 8: {conc: (ttfts, [req/s per round])}."""
+    for c in (1, 8):  # a fresh engine's (and graph's) first requests are slow
+        await batch(request, [jpeg(640, 480, 90 + 10 * c + i) for i in range(8)], c, f"warm-{tag}")
+    out = {1: ([], []), 8: ([], [])}
+    for r in range(args.rounds):
+        for c in (1, 8):
+            n = args.requests if c == 8 else max(8, args.requests // 4)
+            images = [jpeg(640, 480, 1000 * (r + 1) + 100 * c + i) for i in range(n)]
+            ttfts, rps = await batch(request, images, c, f"{tag}-{r}-{c}")
+            out[c][0].extend(ttfts)
+            out[c][1].append(rps)
+        print(f"{tag}: round {r + 1}/{args.rounds} done", flush=True)
+    return out
+
+
 async def main(args) -> None:
     import aiohttp
 
     run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-bench-"))
-    print(f"starting the graph and the in-process engines (log: {run_dir}/graph.log)",
-          flush=True)
-    graph = Graph(run_dir / "graph.log")
+    results = {}
+    # One arm at a time, so the other arm's processes (idle engines, runtimes) are not around.
+    print("in-process arm: starting the engines", flush=True)
     local = InProcess()  # on this loop: AsyncLLM binds its output handler to it
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
-    arms = {"in-process": local.request,
-            "graph": lambda rid, image: graph.request(session, rid, image)}
-    results = {(arm, c): ([], []) for arm in arms for c in (1, 8)}
     try:
-        for arm, request in arms.items():  # warm-up: first-use costs out of the figures
-            await batch(request, [jpeg(640, 480, 90 + i) for i in range(4)], 2, f"warm-{arm}")
-        for r in range(args.rounds):
-            for c in (1, 8):
-                n = args.requests if c == 8 else max(8, args.requests // 4)
-                images = [jpeg(640, 480, 1000 * (r + 1) + 100 * c + i) for i in range(n)]
-                for arm, request in (arms.items() if r % 2 == 0 else reversed(arms.items())):
-                    ttfts, rps = await batch(request, images, c, f"{arm}-{r}-{c}")
-                    results[arm, c][0].extend(ttfts)
-                    results[arm, c][1].append(rps)
-            print(f"round {r + 1}/{args.rounds} done", flush=True)
+        results["in-process"] = await measure(local.request, args, "in-process")
+    finally:
+        local.close()
+    print(f"graph arm: starting the graph (log: {run_dir}/graph.log)", flush=True)
+    graph = Graph(run_dir / "graph.log")
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+    try:
+        results["graph"] = await measure(
+            lambda rid, image: graph.request(session, rid, image), args, "graph")
     finally:
         await session.close()
         graph.close()
-        local.close()
 
     print(f"\n640x480 JPEG, {MAX_TOKENS} output tokens, tiny model; {args.rounds} rounds\n")
     print("| concurrency | arm | requests | TTFT p50 ms | TTFT p95 ms | requests/s |")
     print("|---|---|---|---|---|---|")
-    for (arm, c), (ttfts, rps) in results.items():
-        print(f"| {c} | {arm} | {len(ttfts)} | {pct(ttfts, 50) * 1e3:.1f} | "
-              f"{pct(ttfts, 95) * 1e3:.1f} | {statistics.median(rps):.2f} |")
+    for c in (1, 8):
+        for arm, by_conc in results.items():
+            ttfts, rps = by_conc[c]
+            print(f"| {c} | {arm} | {len(ttfts)} | {pct(ttfts, 50) * 1e3:.1f} | "
+                  f"{pct(ttfts, 95) * 1e3:.1f} | {statistics.median(rps):.2f} |")
     print()
     for c in (1, 8):
-        local_ttft, graph_ttft = (pct(results[a, c][0], 50) for a in arms)
-        ratio = statistics.median(results["graph", c][1]) / statistics.median(
-            results["in-process", c][1])
+        local_ttft, graph_ttft = (pct(results[a][c][0], 50) for a in ("in-process", "graph"))
+        ratio = statistics.median(results["graph"][c][1]) / statistics.median(
+            results["in-process"][c][1])
         print(f"concurrency {c}: graph adds {(graph_ttft - local_ttft) * 1e3:+.1f} ms to TTFT p50 "
               f"(ratio {graph_ttft / local_ttft:.2f}); throughput ratio graph/in-process "
               f"{ratio:.2f}")

@@ -24,9 +24,10 @@ class AggWorker(DecodeWorker):
         super().__init__(engine, kv_deadline_s=None)  # nothing to pull: no KV deadline
         self.renderer = PrefillWorker(engine)
 
-    async def generate(self, request: PrefillRequest) -> AsyncIterator[DecodeChunk]:
+    async def generate(self, request: PrefillRequest, rendered: tuple[str, list[str]] | None = None
+                       ) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
-        prompt, images = await self.renderer.prepare(request)
+        prompt, images = await self.renderer.prepare(request, rendered)
         rendered = await render_prompt(self.engine, prompt, [i.image for i in images],
                                        [i.content_hash for i in images])
         prepare_ms = (time.perf_counter() - t0) * 1e3
@@ -38,8 +39,8 @@ class AggWorker(DecodeWorker):
 
     async def handle(self, request: dict) -> AsyncIterator[dict]:
         """Dynamo endpoint handler: a PrefillRequest (data-URI images) in, DecodeChunks out."""
-        typed, _, _ = self.renderer.from_wire(request)
-        async for chunk in self.generate(typed):
+        typed, prompt, refs = self.renderer.from_wire(request)
+        async for chunk in self.generate(typed, (prompt, refs)):
             yield msgspec.to_builtins(chunk)
 
 

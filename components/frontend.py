@@ -128,8 +128,9 @@ class Frontend:
                 text, last = "", Piece("")
                 async for last in pieces:
                     text += last.text
-                return web.json_response(_whole(api, prefill_request.request_id, self.model,
-                                                text, last))
+                return web.json_response(
+                    _whole(api, prefill_request.request_id, self.model, text, last),
+                    headers={"X-Request-Id": prefill_request.request_id})
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.disconnects.inc()  # the client left; aclosing aborted the request
             raise
@@ -139,7 +140,8 @@ class Frontend:
     async def _stream(self, request, api, request_id, pieces) -> web.StreamResponse:
         first = await anext(pieces)  # errors before the first token still get a 4xx/5xx
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+                                               "Cache-Control": "no-cache",
+                                               "X-Request-Id": request_id})
         await response.prepare(request)
         created = int(time.time())
 

@@ -78,9 +78,11 @@ class PrefillWorker:
         self.fingerprint = model_fingerprint(engine)
         self.tokenizer = engine.renderer.get_tokenizer()
 
-    async def prepare(self, request: PrefillRequest) -> tuple[str, list[LoadedImage]]:
-        """The prompt text and the decoded images (off the event loop: decoding is CPU work)."""
-        prompt, refs = self._prompt(request)
+    async def prepare(self, request: PrefillRequest,
+                      rendered: tuple[str, list[str]] | None = None) -> tuple[str, list[LoadedImage]]:
+        """The prompt text and the decoded images (off the event loop: decoding is CPU work).
+        `rendered`: the prompt and image refs when the caller already has them (from_wire)."""
+        prompt, refs = rendered or self._prompt(request)
         images = await asyncio.to_thread(lambda: [load_image_ref(r, self.limits) for r in refs])
         return prompt, images
 
@@ -93,9 +95,10 @@ class PrefillWorker:
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True), refs
 
-    async def generate(self, request: PrefillRequest) -> AsyncIterator[tuple[Handoff, PrefillStats]]:
+    async def generate(self, request: PrefillRequest, rendered: tuple[str, list[str]] | None = None
+                       ) -> AsyncIterator[tuple[Handoff, PrefillStats]]:
         t0 = time.perf_counter()
-        prompt, images = await self.prepare(request)
+        prompt, images = await self.prepare(request, rendered)
         rendered = await render_prompt(
             self.engine, prompt, [i.image for i in images], [i.content_hash for i in images])
         t1 = time.perf_counter()
@@ -129,7 +132,7 @@ class PrefillWorker:
         """Dynamo endpoint handler: a PrefillRequest in its builtin form in, one
         `{"handoff": ..., "stats": ...}` out."""
         typed, prompt, refs = self.from_wire(request)
-        async for handoff, stats in self.generate(typed):
+        async for handoff, stats in self.generate(typed, (prompt, refs)):
             out: Any = handoff
             if self.full_media:
                 out = FullMediaRequest(

@@ -67,8 +67,10 @@ def test_chat_with_images_streaming_and_not(loop, open_server, image_server, dyn
     ]
     for uris, same_as in cases:
         messages = _messages(*uris)
-        plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
-                                               temperature=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0)
+        plain = raw.parse()
+        assert raw.headers["x-request-id"] == plain.id
         streamed = "".join(
             c.choices[0].delta.content or "" for c in client.chat.completions.create(
                 model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True)
