@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -23,22 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the answer readable
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _sample_image() -> bytes:
-    import numpy as np
-    from PIL import Image
-
-    y, x = np.mgrid[0:480, 0:640]
-    rgb = np.stack([x * 255 // 640, y * 255 // 480, (x + y) * 255 // 1120], -1).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(rgb).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
+from examples.graph_demo import free_port as _port  # noqa: E402
+from examples.graph_demo import sample_image as _sample_image  # noqa: E402
 
 
 def step(msg: str) -> None:
