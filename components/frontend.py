@@ -30,6 +30,7 @@ from aiohttp import web
 from components.frontend_request import ApiError, FrontendLimits, RequestReader
 from components.image_fetch import FetchPolicy
 from components.metrics import FrontendMetrics
+from components.protocol import PrefillAnswer
 from components.runtime import RemoteError, call
 
 __all__ = ["Frontend", "FrontendLimits", "ApiError"]
@@ -196,7 +197,8 @@ class Frontend:
         request, prefill_stats = msgspec.to_builtins(prefill_request), None
         if self.prefill is not None:
             answers = [a async for a in call(self.prefill, request)]
-            request, prefill_stats = answers[0]["handoff"], answers[0].get("stats")
+            answer = msgspec.convert(answers[0], PrefillAnswer)
+            request, prefill_stats = answer.handoff, msgspec.to_builtins(answer.stats)
         async with aclosing(call(self.decode, request)) as chunks:
             async for chunk in chunks:
                 if chunk.get("stats") and prefill_stats:

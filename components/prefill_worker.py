@@ -22,7 +22,7 @@ from components.images import (
     data_uri_bytes,
     load_image_ref,
 )
-from components.protocol import FullMediaRequest, PrefillRequest, PrefillStats
+from components.protocol import FullMediaRequest, PrefillAnswer, PrefillRequest, PrefillStats
 from components.vllm_adapter import model_fingerprint, render_prompt, sampling_params
 
 
@@ -129,8 +129,8 @@ class PrefillWorker:
         yield handoff, stats
 
     async def handle(self, request: dict) -> AsyncIterator[dict]:
-        """Dynamo endpoint handler: a PrefillRequest in its builtin form in, one
-        `{"handoff": ..., "stats": ...}` out."""
+        """Dynamo endpoint handler: a PrefillRequest in its builtin form in, one PrefillAnswer
+        out."""
         typed, prompt, refs = self.from_wire(request)
         async for handoff, stats in self.generate(typed, (prompt, refs)):
             out: Any = handoff
@@ -139,7 +139,7 @@ class PrefillWorker:
                     request_id=typed.request_id, prompt=prompt,
                     images=[data_uri_bytes(r, self.limits) for r in refs],
                     kv_transfer_params=handoff.kv_transfer_params, sampling=typed.sampling)
-            yield {"handoff": msgspec.to_builtins(out), "stats": msgspec.to_builtins(stats)}
+            yield msgspec.to_builtins(PrefillAnswer(handoff=msgspec.to_builtins(out), stats=stats))
 
     def from_wire(self, request: dict) -> tuple[PrefillRequest, str, list[str]]:
         """A PrefillRequest off the network, its prompt text and its image refs; a network

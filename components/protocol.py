@@ -30,6 +30,15 @@ class PrefillStats(msgspec.Struct, kw_only=True):
     prefill_ms: float
 
 
+class PrefillAnswer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What prefill.generate answers. `handoff` is the message for decode in its builtin form (a
+    Handoff, or in the full-media arm a FullMediaRequest): the frontend passes it on untouched
+    and decode checks it strictly."""
+
+    handoff: dict[str, Any]
+    stats: PrefillStats
+
+
 class FullMediaRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The benchmark arm "decode receives the media": the rendered prompt text and the original
     image bytes go to decode, which decodes and re-processes them (what P/D stacks do today)."""
