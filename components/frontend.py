@@ -31,7 +31,7 @@ from components.frontend_request import ApiError, FrontendLimits, RequestReader
 from components.image_fetch import FetchPolicy
 from components.metrics import FrontendMetrics
 from components.protocol import PrefillAnswer
-from components.runtime import RemoteError, call
+from components.runtime import RemoteError, call, call_one
 
 __all__ = ["Frontend", "FrontendLimits", "ApiError"]
 
@@ -196,8 +196,7 @@ class Frontend:
         """Decode's chunks; the last one's stats also carry prefill's (key `prefill`)."""
         request, prefill_stats = msgspec.to_builtins(prefill_request), None
         if self.prefill is not None:
-            answers = [a async for a in call(self.prefill, request)]
-            answer = msgspec.convert(answers[0], PrefillAnswer)
+            answer = msgspec.convert(await call_one(self.prefill, request), PrefillAnswer)
             request, prefill_stats = answer.handoff, msgspec.to_builtins(answer.stats)
         async with aclosing(call(self.decode, request)) as chunks:
             async for chunk in chunks:
@@ -234,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import signal
 
-    from components.runtime import client, runtime
+    from components.runtime import client, run, runtime
 
     p = argparse.ArgumentParser(prog="python -m components.frontend")
     p.add_argument("--namespace", default="mmhandoff")
@@ -282,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         rt.shutdown()
         return 0
 
-    return asyncio.run(serve())
+    return run(serve())
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ def run(role: str, spec_role: str | Callable, endpoint: str, make_handler: Calla
         errors: tuple, argv: list[str] | None = None) -> int:
     """`spec_role`: the EngineSpec role, or a function of the parsed arguments giving it."""
     args = parser(role).parse_args(argv)
-    return asyncio.run(_serve(args, spec_role, endpoint, make_handler, errors))
+    from components.runtime import run as run_loop
+
+    return run_loop(_serve(args, spec_role, endpoint, make_handler, errors))
 
 
 async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:

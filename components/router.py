@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from components.runtime import client, runtime, serve
+    from components.runtime import run as run_loop
 
     p = argparse.ArgumentParser(prog="python -m components.router")
     p.add_argument("--namespace", default="mmhandoff")
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         await asyncio.wait([served], timeout=30)
         return 0
 
-    return asyncio.run(run())
+    return run_loop(run())
 
 
 if __name__ == "__main__":

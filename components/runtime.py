@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 LOOPBACK_VARS = ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST")
 
@@ -38,6 +38,14 @@ def raise_for_error(item: Any) -> Any:
         e = item["error"]
         raise RemoteError(str(e.get("code")), str(e.get("message")), e.get("cause"))
     return item
+
+
+def run(main: Coroutine[Any, Any, int]) -> int:
+    """Run a component's main coroutine on uvloop: each Dynamo hop, HTTP request and engine output
+    wakes the loop, and uvloop's wake-ups and socket I/O cost a fraction of asyncio's."""
+    import uvloop
+
+    return uvloop.run(main)
 
 
 def runtime(loop: asyncio.AbstractEventLoop, *, discovery: str | None = None,
@@ -98,3 +106,27 @@ async def call(c, request: Any, instance_id: int | None = None) -> AsyncIterator
     finally:
         if not done:
             context.stop_generating()
+
+
+_draining: set[asyncio.Task] = set()
+
+
+async def call_one(c, request: Any) -> Any:
+    """The answer of an endpoint that yields exactly one item, as soon as it arrives. The end of
+    its stream comes ~0.5-1 ms later (measured on the 2-core machine); it is awaited in the
+    background instead of on the request's path."""
+    items = call(c, request)
+    try:
+        item = await anext(items)
+    except StopAsyncIteration:
+        raise RemoteError("internal", "the endpoint ended its answer without an item") from None
+    task = asyncio.ensure_future(_drain(items))
+    _draining.add(task)  # the loop keeps only weak references to tasks
+    task.add_done_callback(_draining.discard)
+    return item
+
+
+async def _drain(items: AsyncIterator[Any]) -> None:
+    async for _ in items:  # a second item is not part of the contract: dropped
+        pass
+
