@@ -20,7 +20,13 @@ from PIL import Image, UnidentifiedImageError
 
 from components.handoff import Sampling
 from components.image_fetch import FetchPolicy, ImageFetcher
-from components.images import ImageError, ImageLimits, ImageTooLarge, data_uri_bytes
+from components.images import (
+    ImageError,
+    ImageLimits,
+    ImageTooLarge,
+    data_uri_bytes,
+    peek_data_uri,
+)
 from components.protocol import PrefillRequest
 
 
@@ -39,6 +45,15 @@ class ApiError(Exception):
                  kind: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.code, self.kind = status, code, kind
+
+
+def _probe(data: bytes) -> tuple[int, int, str | None] | None:
+    """Width, height and format from an image's header (pixels are not decoded), or None."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return *image.size, image.format
+    except (UnidentifiedImageError, OSError):
+        return None
 
 
 def _image_error(e: ImageError) -> ApiError:
@@ -128,21 +143,24 @@ class RequestReader:
 
     async def _image(self, url: str) -> str:
         """A checked data URI for an image given as a data URI or an http(s) URL."""
+        limits = ImageLimits(max_bytes=self.limits.max_image_bytes)
         try:
-            if url.startswith("data:"):
-                data = data_uri_bytes(url, ImageLimits(max_bytes=self.limits.max_image_bytes))
+            if url.startswith("data:"):  # prefill decodes it all: here the header is enough
+                size, data = peek_data_uri(url, limits)
             elif url.startswith(("http://", "https://")):
                 data = await self.fetcher.fetch(url)
+                size = len(data)
             else:
                 raise ApiError(400, "image_url must be a data URI or an http(s) URL",
                                "invalid_image_url")
+            header = _probe(data)
+            if header is None and len(data) < size:  # a header longer than the head we took
+                header = _probe(data_uri_bytes(url, limits))
         except ImageError as e:
             raise _image_error(e) from None
-        try:
-            with Image.open(io.BytesIO(data)) as probe:  # the header only; prefill decodes
-                width, height, fmt = *probe.size, probe.format
-        except (UnidentifiedImageError, OSError):
-            raise ApiError(400, "image data is not a readable image", "invalid_image") from None
+        if header is None:
+            raise ApiError(400, "image data is not a readable image", "invalid_image")
+        width, height, fmt = header
         if width * height > self.limits.max_image_pixels:
             raise ApiError(413, f"image is {width}x{height} pixels; the limit is "
                                 f"{self.limits.max_image_pixels}", "image_too_large")

@@ -157,6 +157,27 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server, case):
     assert ok_status == 200 and ok["choices"][0]["finish_reason"] in ("length", "stop")
 
 
+def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
+    """The frontend decodes only the first HEAD_BYTES of a data URI to read the image header; a
+    JPEG whose metadata (here a 100 KB ICC profile) pushes the header past that is still read."""
+    import asyncio
+    import io
+    import os
+
+    from components.frontend_request import ApiError, RequestReader
+    from components.images import HEAD_BYTES
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), "red").save(buf, "JPEG", icc_profile=os.urandom(100_000))
+    assert buf.tell() > 2 * HEAD_BYTES
+    body = json.loads(_chat_body(data_uri(buf.getvalue(), "image/jpeg")))
+    request = asyncio.run(RequestReader(MODEL).chat(body))
+    assert request.messages[0]["content"][0]["image_url"]["url"].startswith("data:image/jpeg")
+    with pytest.raises(ApiError) as refused:  # the pixel limit sees the real size
+        asyncio.run(RequestReader(MODEL, FrontendLimits(max_image_pixels=64 * 48 - 1)).chat(body))
+    assert (refused.value.status, refused.value.code) == (413, "image_too_large")
+
+
 URL_CASES = {  # path on the loopback image server -> (status, code), with loopback allowed
     "/text": (400, "invalid_image"),
     "/big": (413, "image_too_large"),

@@ -1,9 +1,12 @@
 import base64
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from components.images import (
-    ImageError, ImageLimits, ImageTooLarge, decode_image, load_image_ref,
+    HEAD_BYTES, ImageError, ImageLimits, ImageTooLarge, InvalidBase64, data_uri_bytes,
+    decode_image, load_image_ref, peek_data_uri,
 )
 from tests.conftest import data_uri, encode, make_image
 
@@ -40,3 +43,30 @@ def test_limits():
         decode_image(png, ImageLimits(max_pixels=100 * 100 - 1))
     with pytest.raises(ImageError):
         decode_image(png[: len(png) // 2])  # truncated
+
+
+_B64ISH = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=\n $é"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(st.text(alphabet=_B64ISH, max_size=24),
+                 st.binary(max_size=200).map(lambda b: base64.b64encode(b).decode())))
+def test_peek_agrees_with_the_full_decode(body):
+    """The frontend's peek checks what the full decode checks, without decoding past the head."""
+    ref = "data:image/png;base64," + body
+    try:
+        data = data_uri_bytes(ref)
+    except InvalidBase64:
+        with pytest.raises(InvalidBase64):
+            peek_data_uri(ref)
+        return
+    assert peek_data_uri(ref) == (len(data), data[:HEAD_BYTES])
+
+
+def test_peek_of_a_large_image_decodes_only_the_head():
+    data = bytes(range(256)) * 1000  # 256 KB
+    size, head = peek_data_uri("data:image/png;base64," + base64.b64encode(data).decode())
+    assert size == len(data) and head == data[:HEAD_BYTES] and len(head) < len(data)
+    with pytest.raises(ImageTooLarge):
+        peek_data_uri("data:image/png;base64," + base64.b64encode(data).decode(),
+                      ImageLimits(max_bytes=len(data) - 1))
