@@ -7,10 +7,10 @@ helps either arm):
 - in-process: PrefillWorker.handoff -> DecodeWorker.generate in this process (no runtime, no HTTP);
 - graph:      `mmhandoff serve graphs.disagg:Frontend -f configs/disagg.yaml`, streaming chat
               requests over HTTP: frontend checks, Dynamo TCP to prefill and to decode, SSE.
-The arms run one after the other in one run (with both up at once, the idle arm's processes
-skewed the other on 2 cores). Per arm and concurrency (1 and 8): TTFT p50/p95 (request sent
-to first token received) and throughput (requests/s); then the graph's added TTFT p50 in ms (the
-target: at most 5 ms) and the throughput ratio.
+Both arms are up together and take turns, round by round (each arm's idle CPU is printed). Per
+arm and concurrency (1 and 8): TTFT p50/p95 (request sent to first token received) and
+throughput (requests/s); then the graph's added TTFT p50 in ms (the target: at most 5 ms) and
+the throughput ratio.
 """
 
 from __future__ import annotations
@@ -127,44 +127,64 @@ async def batch(request, images: list[bytes], concurrency: int, tag: str):
     return list(ttfts), len(images) / (time.perf_counter() - t0)
 
 
-async def measure(request, args, tag: str) -> dict:
-    """Warm-up, then `rounds` rounds at concurrency 1 and 8: {conc: (ttfts, [req/s per round])}."""
-    for c in (1, 8):  # a fresh engine's (and graph's) first requests are slow
-        await batch(request, [jpeg(640, 480, 90 + 10 * c + i) for i in range(8)], c, f"warm-{tag}")
-    out = {1: ([], []), 8: ([], [])}
+async def measure(arms: dict, args) -> dict:
+    """Warm-up, then `rounds` rounds; in each, both arms at concurrency 1, then both at 8, so the
+    machine's drift hits both alike. {arm: {conc: (ttfts, [req/s per round])}}."""
+    for tag, request in arms.items():
+        for c in (1, 8):  # a fresh engine's (and graph's) first requests are slow
+            await batch(request, [jpeg(640, 480, 90 + 10 * c + i) for i in range(8)], c,
+                        f"warm-{tag}")
+    out = {tag: {1: ([], []), 8: ([], [])} for tag in arms}
     for r in range(args.rounds):
         for c in (1, 8):
             n = args.requests if c == 8 else max(8, args.requests // 4)
-            images = [jpeg(640, 480, 1000 * (r + 1) + 100 * c + i) for i in range(n)]
-            ttfts, rps = await batch(request, images, c, f"{tag}-{r}-{c}")
-            out[c][0].extend(ttfts)
-            out[c][1].append(rps)
-        print(f"{tag}: round {r + 1}/{args.rounds} done", flush=True)
+            for a, (tag, request) in enumerate(arms.items()):  # distinct images per arm
+                images = [jpeg(640, 480, 100_000 * a + 1000 * (r + 1) + 100 * c + i)
+                          for i in range(n)]
+                ttfts, rps = await batch(request, images, c, f"{tag}-{r}-{c}")
+                out[tag][c][0].extend(ttfts)
+                out[tag][c][1].append(rps)
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
     return out
+
+
+async def idle_cpu(pids: list[int], seconds: float = 3.0) -> float:
+    """Cores used by these processes and their children over `seconds` of no requests."""
+    import psutil
+
+    procs = [p for pid in pids for p in (psutil.Process(pid),
+                                          *psutil.Process(pid).children(recursive=True))]
+    before = sum(sum(p.cpu_times()[:2]) for p in procs)
+    await asyncio.sleep(seconds)
+    return (sum(sum(p.cpu_times()[:2]) for p in procs) - before) / seconds
 
 
 async def main(args) -> None:
     import aiohttp
 
     run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-bench-"))
-    results = {}
-    # One arm at a time, so the other arm's processes (idle engines, runtimes) are not around.
+    # Both arms stay up and take turns: with the engines' spin plugin
+    # (components/vllm_adapter/spin.py) the idle arm uses a few percent of a core (printed).
     print("in-process arm: starting the engines", flush=True)
     local = InProcess()  # on this loop: AsyncLLM binds its output handler to it
-    try:
-        results["in-process"] = await measure(local.request, args, "in-process")
-    finally:
-        local.close()
     print(f"graph arm: starting the graph (log: {run_dir}/graph.log)", flush=True)
     graph = Graph(run_dir / "graph.log")
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
     try:
-        results["graph"] = await measure(
-            lambda rid, image: graph.request(session, rid, image), args, "graph")
+        idle = {"in-process engines": await idle_cpu(
+                    [p.pid for e in local.engines
+                     for p in e.engine_core.resources.engine_manager.processes]),
+                "graph": await idle_cpu([graph.proc.pid])}
+        results = await measure({
+            "in-process": local.request,
+            "graph": lambda rid, image: graph.request(session, rid, image)}, args)
     finally:
         await session.close()
         graph.close()
+        local.close()
 
+    print("\nidle CPU while the other arm waits: " +
+          ", ".join(f"{k} {v:.3f} cores" for k, v in idle.items()))
     print(f"\n640x480 JPEG, {MAX_TOKENS} output tokens, tiny model; {args.rounds} rounds\n")
     print("| concurrency | arm | requests | TTFT p50 ms | TTFT p95 ms | requests/s |")
     print("|---|---|---|---|---|---|")
