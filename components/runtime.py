@@ -129,4 +129,3 @@ async def call_one(c, request: Any) -> Any:
 async def _drain(items: AsyncIterator[Any]) -> None:
     async for _ in items:  # a second item is not part of the contract: dropped
         pass
-

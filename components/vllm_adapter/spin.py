@@ -14,7 +14,8 @@ Here a reader spins for `MMHANDOFF_SHM_SPIN_S` (default 2 ms) after a message, t
 notification with a wake-up every millisecond. The wake-up is needed: ZMQ notifications are lost
 now and then (vLLM itself re-checks the ring every 5 s for that reason, which with a short spin
 stalled requests for 5 s). Set `MMHANDOFF_SHM_SPIN_S=default` to keep vLLM's behaviour. GPU
-hosts are left alone (one GPU: no worker process, no ring).
+hosts are left alone: with one GPU there is no worker process and no ring, and with several the
+spinning cores are a fair price on a large host.
 """
 
 from __future__ import annotations
