@@ -111,28 +111,38 @@ def engines(loop, tiny_model):
 
 
 @pytest.fixture(scope="session")
-def dynamo(loop, engines, tmp_path_factory):
+def dynamo_rt(loop, tmp_path_factory):
+    """One Dynamo runtime for the session (file discovery, TCP request plane, loopback)."""
+    from components.runtime import runtime
+
+    os.environ["DYN_FILE_KV"] = str(tmp_path_factory.mktemp("dyn-discovery"))
+
+    async def up():
+        return runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
+
+    rt = loop.run(up())
+    yield rt
+    rt.shutdown()
+
+
+@pytest.fixture(scope="session")
+def dynamo(loop, engines, dynamo_rt):
     from components.decode_worker import DecodeWorker, KVCoverageError
     from components.handoff import HandoffError
     from components.images import ImageError
     from components.prefill_worker import InvalidRequest, PrefillWorker
-    from components.runtime import client, runtime, serve
+    from components.runtime import client, serve
 
-    os.environ["DYN_FILE_KV"] = str(tmp_path_factory.mktemp("dyn-discovery"))
     prefill, decode = PrefillWorker(engines.prefill), DecodeWorker(engines.decode)
 
     async def up():
-        import asyncio
+        serve(dynamo_rt, "mmhtest.prefill.generate", prefill.handle, (ImageError, InvalidRequest))
+        serve(dynamo_rt, "mmhtest.decode.generate", decode.handle, (HandoffError, KVCoverageError))
+        return await client(dynamo_rt, "mmhtest.prefill.generate"), await client(
+            dynamo_rt, "mmhtest.decode.generate")
 
-        rt = runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
-        serve(rt, "mmhtest.prefill.generate", prefill.handle, (ImageError, InvalidRequest))
-        serve(rt, "mmhtest.decode.generate", decode.handle, (HandoffError, KVCoverageError))
-        return rt, await client(rt, "mmhtest.prefill.generate"), await client(
-            rt, "mmhtest.decode.generate")
-
-    rt, p, d = loop.run(up())
+    p, d = loop.run(up())
     yield prefill, decode, p, d
-    rt.shutdown()
 
 
 # ---- images ----------------------------------------------------------------------------------------

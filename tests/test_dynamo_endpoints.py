@@ -112,3 +112,45 @@ def test_full_media_arm_endpoint_handlers(loop, dynamo, engines):
         request, request_id="dyn-f2")))))
     handoff = [t for c in loop.run(_all(call(d, h["handoff"]))) for t in c["token_ids"]]
     assert full == handoff and len(full) == 8
+
+
+def test_call_one_answers_before_the_stream_ends(loop, dynamo_rt):
+    """call_one returns a one-answer endpoint's item as soon as it arrives (the stream's end is
+    drained in the background), and turns an error envelope or an empty answer into a typed
+    RemoteError."""
+    import asyncio
+
+    from components.runtime import call_one, client, serve
+
+    ended = asyncio.Event()
+
+    async def slow_end(request):
+        yield {"answer": request["n"] + 1}
+        await asyncio.sleep(0.5)  # the stream's end comes late: the caller must not wait for it
+        ended.set()
+
+    async def failing(request):
+        raise RemoteError("invalid_request", "no")
+        yield  # pragma: no cover
+
+    async def empty(request):
+        return
+        yield  # pragma: no cover
+
+    async def scenario():
+        serve(dynamo_rt, "mmhtest.slowend.generate", slow_end, ())
+        serve(dynamo_rt, "mmhtest.failing.generate", failing, (RemoteError,))
+        serve(dynamo_rt, "mmhtest.empty.generate", empty, ())
+        slow, bad, none = [await client(dynamo_rt, f"mmhtest.{n}.generate")
+                           for n in ("slowend", "failing", "empty")]
+        assert await call_one(slow, {"n": 41}) == {"answer": 42}
+        assert not ended.is_set()  # answered while the handler was still running
+        await asyncio.wait_for(ended.wait(), 10)  # and the drained stream still ran to its end
+        with pytest.raises(RemoteError) as err:
+            await call_one(bad, {})
+        assert err.value.code == "invalid_request"
+        with pytest.raises(RemoteError) as err:
+            await call_one(none, {})
+        assert err.value.code == "internal"
+
+    loop.run(scenario())
