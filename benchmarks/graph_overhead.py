@@ -162,6 +162,8 @@ async def idle_cpu(pids: list[int], seconds: float = 3.0) -> float:
 async def main(args) -> None:
     import aiohttp
 
+    from components.vllm_adapter import engine_core_pids
+
     run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-bench-"))
     # Both arms stay up and take turns: with the engines' spin plugin
     # (components/vllm_adapter/spin.py) the idle arm uses a few percent of a core (printed).
@@ -172,8 +174,7 @@ async def main(args) -> None:
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
     try:
         idle = {"in-process engines": await idle_cpu(
-                    [p.pid for e in local.engines
-                     for p in e.engine_core.resources.engine_manager.processes]),
+                    [pid for e in local.engines for pid in engine_core_pids(e)]),
                 "graph": await idle_cpu([graph.proc.pid])}
         results = await measure({
             "in-process": local.request,

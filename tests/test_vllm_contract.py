@@ -94,9 +94,11 @@ def test_engine_compute_threads_stay_on_their_cores(engines):
 
     import psutil
 
+    from components.vllm_adapter import engine_core_pids
+
     for name, engine, cores in (("prefill", engines.prefill, {0}), ("decode", engines.decode, {1}),
                                 ("full", engines.full, {1})):
-        core_pid = engine.engine_core.resources.engine_manager.processes[0].pid
+        (core_pid,) = engine_core_pids(engine)
         workers = [p for p in psutil.Process(core_pid).children(recursive=True)
                    if p.name() == "VLLM::Worker"]
         assert workers, name
@@ -143,8 +145,10 @@ def test_engine_processes_stop_spinning_after_a_request(loop, engines):
     import psutil
     from vllm import SamplingParams
 
+    from components.vllm_adapter import engine_core_pids
+
     engine = engines.full
-    core_pid = engine.engine_core.resources.engine_manager.processes[0].pid
+    (core_pid,) = engine_core_pids(engine)
     procs = [psutil.Process(core_pid), *psutil.Process(core_pid).children(recursive=True)]
 
     async def one(i: int) -> None:

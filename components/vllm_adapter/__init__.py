@@ -6,7 +6,7 @@
 - scheduler: FailClosedScheduler (loaded by the decode engine through `scheduler_cls`)
 """
 
-from components.vllm_adapter.engine import EngineSpec, start_engine
+from components.vllm_adapter.engine import EngineSpec, engine_core_pids, start_engine
 from components.vllm_adapter.load import EngineLoad
 from components.vllm_adapter.inputs import (
     RenderedPrompt,
@@ -19,6 +19,7 @@ from components.vllm_adapter.inputs import (
 )
 
 __all__ = [
-    "EngineLoad", "EngineSpec", "RenderedPrompt", "kv_coverage_cause", "kv_only_request", "kv_stats",
-    "model_fingerprint", "render_prompt", "sampling_params", "start_engine",
+    "EngineLoad", "EngineSpec", "RenderedPrompt", "engine_core_pids", "kv_coverage_cause",
+    "kv_only_request", "kv_stats", "model_fingerprint", "render_prompt", "sampling_params",
+    "start_engine",
 ]

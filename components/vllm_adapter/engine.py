@@ -153,3 +153,9 @@ def start_engine(spec: EngineSpec, load=None):
     loggers = [load.logger_factory()] if load is not None else None
     with _patched_environ(engine_env(spec)):
         return AsyncLLM.from_engine_args(engine_args(spec), stat_loggers=loggers)
+
+
+def engine_core_pids(engine) -> list[int]:
+    """The process ids of an AsyncLLM's engine cores (each core's model workers are its
+    children): for measuring an engine's CPU and checking its placement."""
+    return [p.pid for p in engine.engine_core.resources.engine_manager.processes]
