@@ -11,7 +11,8 @@ through prefill, at most `retries` times; then the client gets a 503 naming the 
 A client that goes away mid-answer cancels its handler (aiohttp's handler cancellation); the
 open Dynamo streams are closed with it, which stops the worker's handler and aborts the engine
 request, freeing its KV. Non-streaming answers carry an extra `mmhandoff` object with the
-handoff statistics (OpenAI clients ignore unknown fields).
+handoff statistics (OpenAI clients ignore unknown fields). On SIGTERM it stops taking
+connections and lets the answers in flight finish (at most DRAIN_S), then exits.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from components.protocol import PrefillAnswer
 from components.runtime import RemoteError, call, call_one
 
 __all__ = ["Frontend", "FrontendLimits", "ApiError"]
+
+DRAIN_S = 30.0
 
 
 @dataclass
@@ -66,8 +69,9 @@ class Frontend:
         return app
 
     def runner(self) -> web.AppRunner:
-        # handler_cancellation: a client that disconnects cancels its handler at once
-        return web.AppRunner(self.app(), handler_cancellation=True)
+        # handler_cancellation: a client that disconnects cancels its handler at once.
+        # On cleanup (SIGTERM) in-flight answers get DRAIN_S to finish; `serve` waits longer.
+        return web.AppRunner(self.app(), handler_cancellation=True, shutdown_timeout=DRAIN_S)
 
     @web.middleware
     async def _errors(self, request, handler):
@@ -277,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
-        await runner.cleanup()  # in-flight requests finish (aiohttp's shutdown timeout)
+        await runner.cleanup()  # in-flight answers finish (DRAIN_S at most)
         rt.shutdown()
         return 0
 

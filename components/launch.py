@@ -1,7 +1,9 @@
 """Running one component as its own process: `python -m components.<name> --model DIR ...`.
 
-Starts the component's engine, serves its handler on the Dynamo runtime, and on SIGINT/SIGTERM
-stops serving (in-flight requests finish), then shuts the engine down.
+Starts the component's engine, serves its handler on the Dynamo runtime, reports ready on Dynamo's
+system status server (components.health), and on SIGINT/SIGTERM reports not ready, stops serving
+(in-flight requests finish), then shuts the engine down. If the engine dies, it exits with
+`health.ENGINE_DEAD` (3).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def run(role: str, spec_role: str | Callable, endpoint: str, make_handler: Calla
 
 
 async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
+    from components.health import ENGINE_DEAD, start_not_ready, watch_engine
     from components.runtime import runtime, serve
     from components.tiny_model import ensure_tiny_model
     from components.vllm_adapter import EngineSpec, start_engine
@@ -46,6 +49,7 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
         spec_role = spec_role(args)
     spec = EngineSpec(model=args.model or str(ensure_tiny_model()), role=spec_role,
                       cpu_cores=args.cpu_cores, nixl_port=args.nixl_port, kv_lease_s=args.kv_lease_s)
+    start_not_ready()
     engine = start_engine(spec)
     rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,
                  request_plane=args.request_plane)
@@ -54,12 +58,26 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    rt.set_health_status(True)
     print(f"[{path}] ready", file=sys.stderr, flush=True)
-    await stop.wait()
+    stopped = asyncio.ensure_future(stop.wait())
+    watch = asyncio.ensure_future(watch_engine(rt, engine, path))
+    await asyncio.wait([stopped, watch, served], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if watch.done():
+        code = ENGINE_DEAD
+    elif served.done():
+        print(f"[{path}] the endpoint stopped serving: {served.exception()!r}", file=sys.stderr,
+              flush=True)
+        code = 1
+    rt.set_health_status(False)
     rt.shutdown()  # stops accepting; graceful endpoints let in-flight requests finish
-    try:
-        await asyncio.wait_for(served, 30)
-    except (asyncio.TimeoutError, Exception):
-        pass
+    if code == 0:
+        try:
+            await asyncio.wait_for(served, 30)
+        except (asyncio.TimeoutError, Exception):
+            pass
+    for task in (stopped, watch, served):
+        task.cancel()
     engine.shutdown()
-    return 0
+    return code

@@ -38,6 +38,7 @@ ENDPOINT = "router.generate"
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    from components.health import start_not_ready
     from components.runtime import client, runtime, serve
     from components.runtime import run as run_loop
 
@@ -47,14 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     async def run() -> int:
+        start_not_ready()
         rt = runtime(asyncio.get_running_loop())
         decode = await client(rt, f"{args.namespace}.decode.generate", args.wait_s)
         served = serve(rt, f"{args.namespace}.{ENDPOINT}", Router(decode).handle, ())
+        rt.set_health_status(True)
         print(f"[{args.namespace}.{ENDPOINT}] ready", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
+        rt.set_health_status(False)
         rt.shutdown()
         await asyncio.wait([served], timeout=30)
         return 0

@@ -2,11 +2,14 @@
 
 Starts every component reachable from the named one (callees first), each replica as its own
 `python -m components.<module>` process in its own process group, with the YAML's arguments and
-environment; prefixes their output with `[module-i]`; waits until the frontend answers /health.
-On Ctrl-C or SIGTERM, and when any component dies (its name and exit code are printed), it stops
-all of them (SIGTERM, then SIGKILL to the whole group after a grace period) and exits: 0 on a
-requested stop, 1 when a component died (no restart: a graph that lost a part says so instead of
-limping on). Discovery is a fresh file folder per run and requests go over TCP, unless the YAML
+environment; prefixes their output with `[module-i]`; shows which replicas are still starting
+until every one reports ready (workers and the router on Dynamo's system status server, at a free
+`DYN_SYSTEM_PORT` each; the frontend on its /health). On Ctrl-C or SIGTERM, and when any
+component dies (its name and exit code are printed; 3 means its engine died), it stops them
+callers first, each stage after the previous one exited: the frontend finishes the requests it
+has in flight while the workers still serve them, then the workers go (SIGTERM, then SIGKILL to
+the whole group after a grace period). It exits 0 on a requested stop, 1 when a component died
+(no restart: a graph that lost a part says so instead of limping on). Discovery is a fresh file folder per run and requests go over TCP, unless the YAML
 names `etcd: <url>` (discovery through etcd) and/or `nats: <url>` (requests over NATS). NIXL
 side-channel ports are picked free per replica.
 """
@@ -23,9 +26,12 @@ import tempfile
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
-GRACE_S = 30.0
+from components.health import ENGINE_DEAD, free_system_port
+
+GRACE_S = 60.0  # for the whole stop: long enough for in-flight answers to finish
 
 
 class GraphError(ValueError):
@@ -82,11 +88,19 @@ def _arg(args: list[str], flag: str, default: str) -> str:
     return args[args.index(flag) + 1] if flag in args[:-1] else default
 
 
+@dataclass
+class Replica:
+    name: str  # module-i
+    module: str
+    proc: subprocess.Popen
+    health_url: str  # 200 once ready
+
+
 class Supervisor:
     def __init__(self, components, config: dict, port: int | None) -> None:
         self.components, self.config = components, config
         self.port_override = port
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.replicas: list[Replica] = []
         self.stopping = False
         self.run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-run-"))
 
@@ -110,12 +124,17 @@ class Supervisor:
             spec = self.config.get("components", {}).get(component.module) or {}
             for i in range(int(spec.get("replicas", 1))):
                 name = f"{component.module}-{i}"
+                own = {k: str(v) for k, v in (spec.get("env") or {}).items()}
+                if component.module == "frontend":
+                    health = self.frontend_url() + "/health"
+                else:  # Dynamo's system status server: /health is 200 once the worker is ready
+                    own.setdefault("DYN_SYSTEM_PORT", str(free_system_port()))
+                    health = f"http://127.0.0.1:{own['DYN_SYSTEM_PORT']}/health"
                 proc = subprocess.Popen(
-                    self.command(component), env={**env, **{k: str(v) for k, v in (
-                        spec.get("env") or {}).items()}},
+                    self.command(component), env={**env, **own},
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                     start_new_session=True)
-                self.procs.append((name, proc))
+                self.replicas.append(Replica(name, component.module, proc, health))
                 threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
                 print(f"[serve] started {name} (pid {proc.pid})", flush=True)
 
@@ -130,42 +149,54 @@ class Supervisor:
         return f"http://127.0.0.1:{port}"
 
     def wait_ready(self, timeout_s: float = 900) -> bool:
-        url, t0, last = self.frontend_url() + "/health", time.monotonic(), 0.0
+        t0, last, waiting = time.monotonic(), 0.0, list(self.replicas)
         while time.monotonic() - t0 < timeout_s and not self.dead():
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        print(f"[serve] ready: {self.frontend_url()}/v1 "
-                              f"({time.monotonic() - t0:.0f} s)", flush=True)
-                        return True
-            except OSError:
-                pass
+            waiting = [r for r in waiting if not _answers(r.health_url)]
+            if not waiting:
+                print(f"[serve] ready: {self.frontend_url()}/v1 "
+                      f"({time.monotonic() - t0:.0f} s)", flush=True)
+                return True
             if time.monotonic() - last > 15:
                 last = time.monotonic()
-                print(f"[serve] starting ... {time.monotonic() - t0:.0f} s", flush=True)
+                print(f"[serve] starting ... {time.monotonic() - t0:.0f} s; waiting for "
+                      f"{', '.join(r.name for r in waiting)}", flush=True)
             time.sleep(0.5)
         return False
 
     def dead(self) -> list[tuple[str, int]]:
-        return [(n, p.returncode) for n, p in self.procs if p.poll() is not None]
+        return [(r.name, r.proc.returncode) for r in self.replicas if r.proc.poll() is not None]
 
     def stop(self) -> None:
+        """Callers first (the reverse of the start order), one component at a time: each stage
+        drains before the components it calls go away."""
         self.stopping = True
-        for _, p in reversed(self.procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
-        for name, p in self.procs:
+        stages = [[r for r in self.replicas if r.module == c.module]
+                  for c in reversed(self.components)]
+        for stage in stages:
+            for r in stage:
+                if r.proc.poll() is None:
+                    os.killpg(r.proc.pid, signal.SIGTERM)
+            for r in stage:
+                try:
+                    r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    print(f"[serve] {r.name} did not stop in {GRACE_S:.0f} s: killing it",
+                          flush=True)
+        for r in self.replicas:  # the whole group: engine cores and workers included
             try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"[serve] {name} did not stop in {GRACE_S:.0f} s: killing it", flush=True)
-        for _, p in self.procs:  # the whole group: engine cores and workers included
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
+                os.killpg(r.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            p.wait()
+            r.proc.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 def serve(target: str, config_path: str, port: int | None = None) -> int:
@@ -189,7 +220,8 @@ def serve(target: str, config_path: str, port: int | None = None) -> int:
         while code == 0 and not stop.wait(0.5):
             if dead := sup.dead():
                 print("[serve] component died: " + ", ".join(
-                    f"{n} (exit {rc})" for n, rc in dead) + "; stopping the graph", flush=True)
+                    f"{n} (exit {rc}{', its engine died' if rc == ENGINE_DEAD else ''})"
+                    for n, rc in dead) + "; stopping the graph", flush=True)
                 code = 1
     finally:
         print("[serve] stopping ...", flush=True)

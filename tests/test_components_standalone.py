@@ -1,38 +1,61 @@
 """Each component runs alone (`python -m components.<name>`), as Kubernetes will run it: two
-processes find each other through file discovery, answer a handoff, and exit cleanly on SIGTERM
-leaving no child process."""
+processes find each other through file discovery, answer a handoff, report ready on Dynamo's
+system status server, and exit cleanly on SIGTERM leaving no child process. A worker whose engine
+dies reports not ready and exits with health.ENGINE_DEAD."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import urllib.error
+import urllib.request
+
 import msgspec
 import psutil
 
+from components.health import ENGINE_DEAD, free_system_port
 from components.protocol import PrefillRequest
 from components.runtime import call, client, runtime
 from tests.conftest import chat, data_uri, encode, free_port, make_image
 from tests.flows import greedy
 
 
-def _start(module, *args, env):
+def _start(module, *args, env, system_port, log):
+    # the log is a file: a pipe nobody reads while the test waits would fill and block the worker
     return subprocess.Popen([sys.executable, "-m", module, "--namespace", "standalone", *args],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            env={**env, "DYN_SYSTEM_PORT": str(system_port)},
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+
+
+def _tail(log) -> str:
+    return log.read_text()[-3000:]
+
+
+def _health(port: int) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            return r.status, json.loads(r.read())["status"]
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())["status"]
 
 
 def test_prefill_and_decode_processes(tmp_path, tiny_model):
     env = dict(os.environ, DYN_FILE_KV=str(tmp_path / "discovery"), VLLM_LOGGING_LEVEL="WARNING",
                UCX_NET_DEVICES="lo")
+    ports = [free_system_port(), free_system_port()]
     procs = [
         _start("components.prefill_worker", "--model", tiny_model, "--cpu-cores", "0",
-               "--nixl-port", str(free_port()), env=env),
+               "--nixl-port", str(free_port()), env=env, system_port=ports[0],
+               log=tmp_path / "prefill.log"),
         _start("components.decode_worker", "--model", tiny_model, "--cpu-cores", "1",
-               "--nixl-port", str(free_port()), env=env),
+               "--nixl-port", str(free_port()), env=env, system_port=ports[1],
+               log=tmp_path / "decode.log"),
     ]
     families = [psutil.Process(p.pid) for p in procs]
     try:
@@ -54,6 +77,14 @@ def test_prefill_and_decode_processes(tmp_path, tiny_model):
         assert chunks[-1]["stats"]["kv_tokens_pulled"] > 0
         children = [c for f in families for c in f.children(recursive=True)]
         assert children  # engine cores and workers
+        assert [_health(port) for port in ports] == [(200, "ready")] * 2
+
+        # decode's engine core dies: the worker says not ready, then leaves with ENGINE_DEAD
+        (core,) = [c for c in families[1].children() if "EngineCore" in " ".join(c.cmdline())]
+        core.kill()
+        assert procs[1].wait(timeout=60) == ENGINE_DEAD, _tail(tmp_path / "decode.log")
+        assert "engine died" in _tail(tmp_path / "decode.log")
+        assert _health(ports[0]) == (200, "ready")  # prefill is unaffected
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -63,7 +94,8 @@ def test_prefill_and_decode_processes(tmp_path, tiny_model):
                 p.wait(timeout=max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [p.stderr.read()[-2000:] for p in procs]
+    assert [p.returncode for p in procs] == [0, ENGINE_DEAD], [
+        _tail(tmp_path / f"{role}.log") for role in ("prefill", "decode")]
     # orphans (engine cores, workers, multiprocessing's resource tracker) must go away on their
     # own within a bounded time after their parent exits
     _, alive = psutil.wait_procs(children, timeout=15)

@@ -71,13 +71,33 @@ def _check_equal_to_agg(got: dict, agg: dict) -> None:
             assert stats["kv_tokens_pulled"] > 0 or stats["kv_tokens_local"] > 0, (name, stats)
 
 
+def _stop_mid_answer(graph: Graph, messages: list[dict], max_tokens: int = 400) -> None:
+    """SIGTERM to serve while a streamed answer is under way: the answer still ends whole (the
+    frontend drains before the workers stop), then serve exits 0 and leaves nothing."""
+    client = openai.OpenAI(base_url=graph.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    assert first.choices[0].finish_reason is None  # under way when the signal goes
+    graph.proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    finals = [c for c in rest if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finals] == ["length"]
+    assert finals[0].usage.completion_tokens == max_tokens
+    graph.wait(expect=0)
+    assert any("[serve] stopped" in line for line in graph.log)
+
+
 def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers):
     graph = Graph("graphs.disagg:Frontend", "configs/disagg.yaml", tmp_path,
                   frontend_args=ALLOW_LOOPBACK_IMAGES)
     with graph.failing_loudly():
-        _check_equal_to_agg(_answers(graph.url, _questions(image_server)), agg_answers)
+        questions = _questions(image_server)
+        _check_equal_to_agg(_answers(graph.url, questions), agg_answers)
         assert any(line.startswith("[decode_worker-0]") for line in graph.log)
-        graph.stop(signal.SIGTERM)
+        _stop_mid_answer(graph, questions["data URI"])
 
 
 def test_disagg_graph_on_etcd_and_nats_then_a_crash(tmp_path, image_server, agg_answers):

@@ -6,7 +6,12 @@
 - scheduler: FailClosedScheduler (loaded by the decode engine through `scheduler_cls`)
 """
 
-from components.vllm_adapter.engine import EngineSpec, engine_core_pids, start_engine
+from components.vllm_adapter.engine import (
+    EngineSpec,
+    engine_core_pids,
+    engine_dead_cause,
+    start_engine,
+)
 from components.vllm_adapter.load import EngineLoad
 from components.vllm_adapter.inputs import (
     RenderedPrompt,
@@ -19,7 +24,8 @@ from components.vllm_adapter.inputs import (
 )
 
 __all__ = [
-    "EngineLoad", "EngineSpec", "RenderedPrompt", "engine_core_pids", "kv_coverage_cause",
+    "EngineLoad", "EngineSpec", "RenderedPrompt", "engine_core_pids", "engine_dead_cause",
+    "kv_coverage_cause",
     "kv_only_request", "kv_stats", "model_fingerprint", "render_prompt", "sampling_params",
     "start_engine",
 ]
