@@ -9,9 +9,10 @@ component dies (its name and exit code are printed; 3 means its engine died), it
 callers first, each stage after the previous one exited: the frontend finishes the requests it
 has in flight while the workers still serve them, then the workers go (SIGTERM, then SIGKILL to
 the whole group after a grace period). It exits 0 on a requested stop, 1 when a component died
-(no restart: a graph that lost a part says so instead of limping on). Discovery is a fresh file folder per run and requests go over TCP, unless the YAML
-names `etcd: <url>` (discovery through etcd) and/or `nats: <url>` (requests over NATS). NIXL
-side-channel ports are picked free per replica.
+(no restart: a graph that lost a part says so instead of limping on). Discovery is a fresh file
+folder per run and requests go over TCP, unless the YAML names `etcd: <url>` (discovery through
+etcd) and/or `nats: <url>` (requests over NATS). NIXL side-channel ports are picked free per
+replica.
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ class Supervisor:
                 own = {k: str(v) for k, v in (spec.get("env") or {}).items()}
                 if component.module == "frontend":
                     health = self.frontend_url() + "/health"
-                else:  # Dynamo's system status server: /health is 200 once the worker is ready
-                    own.setdefault("DYN_SYSTEM_PORT", str(free_system_port()))
+                else:  # Dynamo's system status server: /health is 200 once the worker is ready.
+                    # One port per replica, always serve's choice (a YAML value would collide).
+                    own["DYN_SYSTEM_PORT"] = str(free_system_port())
                     health = f"http://127.0.0.1:{own['DYN_SYSTEM_PORT']}/health"
                 proc = subprocess.Popen(
                     self.command(component), env={**env, **own},
@@ -136,7 +138,7 @@ class Supervisor:
                     start_new_session=True)
                 self.replicas.append(Replica(name, component.module, proc, health))
                 threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
-                print(f"[serve] started {name} (pid {proc.pid})", flush=True)
+                print(f"[serve] started {name} (pid {proc.pid}, health {health})", flush=True)
 
     def _relay(self, name: str, proc: subprocess.Popen) -> None:
         for line in proc.stdout:

@@ -4,6 +4,7 @@ and NATS, on loopback ports of the test's choosing, data in the test's temporary
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -55,6 +56,12 @@ class Graph:
 
     def tail(self, n: int = 60) -> str:
         return "".join(self.log[-n:])
+
+    def health_urls(self) -> dict[str, str]:
+        """{replica: health URL}, as serve announced them."""
+        found = (re.match(r"\[serve\] started (\S+) \(pid \d+, health (\S+)\)", line)
+                 for line in self.log)
+        return {m[1]: m[2] for m in found if m}
 
     def pid_of(self, module: str) -> int:
         for p in self.started:

@@ -97,6 +97,11 @@ def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers):
         questions = _questions(image_server)
         _check_equal_to_agg(_answers(graph.url, questions), agg_answers)
         assert any(line.startswith("[decode_worker-0]") for line in graph.log)
+        health = graph.health_urls()  # every replica reports ready (workers: Dynamo's server)
+        assert sorted(health) == ["decode_worker-0", "frontend-0", "prefill_worker-0"]
+        for url in health.values():
+            with urllib.request.urlopen(url, timeout=10) as r:
+                assert r.status == 200, url
         _stop_mid_answer(graph, questions["data URI"])
 
 

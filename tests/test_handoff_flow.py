@@ -127,3 +127,18 @@ def test_decode_engine_has_no_vision_tower(loop, engines):
 
     assert loop.run(engines.decode.collective_rpc(tower)) == ["StageMissingLayer"]
     assert loop.run(engines.full.collective_rpc(tower)) != ["StageMissingLayer"]
+
+
+def test_an_answer_that_ends_at_its_first_token(loop, workers, engines):
+    """Prefill's one token stops the answer (a stop token here; EOS alike). vLLM's NIXL producer
+    still holds the blocks and names them (it does for stopped requests too); decode pulls them
+    (which releases them on prefill) and regenerates the same token: the answer equals one
+    engine's."""
+    prefill, decode, _ = workers
+    messages = chat("Say nothing.", data_uri(encode(make_image(96, 96, 77))))
+    first = loop.run(agg_run(prefill, engines.full, "stop-first", messages, greedy(4)))[0]
+    s = greedy(4, stop_token_ids=[first])
+    reference = loop.run(agg_run(prefill, engines.full, "stop-agg", messages, s))
+    tokens, last, _ = loop.run(handoff_run(prefill, decode, "stop", messages, s))
+    assert (tokens, last.finish_reason) == (reference, "stop") == ([first], "stop")
+    assert last.stats.kv_tokens_pulled > 0
