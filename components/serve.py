@@ -150,9 +150,9 @@ class Supervisor:
         port = self.port_override or _arg([str(a) for a in spec.get("args", [])], "--port", "8000")
         return f"http://127.0.0.1:{port}"
 
-    def wait_ready(self, timeout_s: float = 900) -> bool:
+    def wait_ready(self, stop_requested, timeout_s: float = 900) -> bool:
         t0, last, waiting = time.monotonic(), 0.0, list(self.replicas)
-        while time.monotonic() - t0 < timeout_s and not self.dead():
+        while time.monotonic() - t0 < timeout_s and not self.dead() and not stop_requested():
             waiting = [r for r in waiting if not _answers(r.health_url)]
             if not waiting:
                 print(f"[serve] ready: {self.frontend_url()}/v1 "
@@ -209,17 +209,24 @@ def serve(target: str, config_path: str, port: int | None = None) -> int:
         raise GraphError(f"{config_path} configures {sorted(unknown)}, which {target} does not "
                          f"reach ({', '.join(c.module for c in components)})")
     sup = Supervisor(components, config, port)
-    stop = threading.Event()
+    # The handler only assigns: one that takes a lock (threading.Event.set does) deadlocks when a
+    # second signal arrives while the first handler holds it (seen: SIGINT twice, serve hung).
+    stop = {"requested": False}
+
+    def requested() -> bool:
+        return stop["requested"]
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: stop.update(requested=True))
     print(f"[serve] graph: {' -> '.join(c.module for c in reversed(components))}", flush=True)
     sup.start()
     code = 0
     try:
-        if not sup.wait_ready() and not stop.is_set():
+        if not sup.wait_ready(requested) and not requested():
             code = 1
             print(f"[serve] not ready: {sup.dead() or 'timed out'}", flush=True)
-        while code == 0 and not stop.wait(0.5):
+        while code == 0 and not requested():
+            time.sleep(0.2)
             if dead := sup.dead():
                 print("[serve] component died: " + ", ".join(
                     f"{n} (exit {rc}{', its engine died' if rc == ENGINE_DEAD else ''})"

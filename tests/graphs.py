@@ -27,7 +27,8 @@ class Graph:
     """`mmhandoff serve <target> -f <config>` with the frontend on a free port; `stop()` sends a
     signal and checks that serve exited with `expect` and that no process it started is left."""
 
-    def __init__(self, target: str, config: str, tmp: Path, *, frontend_args=(), **overrides):
+    def __init__(self, target: str, config: str, tmp: Path, *, frontend_args=(),
+                 wait_ready: bool = True, **overrides):
         spec = yaml.safe_load(Path(config).read_text())
         spec.update(overrides)
         spec["components"]["frontend"]["args"] += list(frontend_args)
@@ -42,6 +43,9 @@ class Graph:
              "--port", str(self.port)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
+        self.started = []
+        if not wait_ready:
+            return
         if not self.ready.wait(READY_S):
             self.kill()
             raise AssertionError("graph not ready:\n" + self.tail())
@@ -57,11 +61,18 @@ class Graph:
     def tail(self, n: int = 60) -> str:
         return "".join(self.log[-n:])
 
+    def _started_lines(self):
+        found = (re.match(r"\[serve\] started (\S+) \(pid (\d+), health (\S+)\)", line)
+                 for line in self.log)
+        return [m for m in found if m]
+
     def health_urls(self) -> dict[str, str]:
         """{replica: health URL}, as serve announced them."""
-        found = (re.match(r"\[serve\] started (\S+) \(pid \d+, health (\S+)\)", line)
-                 for line in self.log)
-        return {m[1]: m[2] for m in found if m}
+        return {m[1]: m[3] for m in self._started_lines()}
+
+    def replica_pids(self) -> dict[str, int]:
+        """{replica: pid}, as serve announced them."""
+        return {m[1]: int(m[2]) for m in self._started_lines()}
 
     def pid_of(self, module: str) -> int:
         for p in self.started:
@@ -78,9 +89,15 @@ class Graph:
         assert self.proc.returncode == expect, self.tail()
         _, alive = psutil.wait_procs(self.started, timeout=15)
         assert not alive, [(p.pid, p.name()) for p in alive]
+        # each replica leads its own session: whatever it started, even after `started` was
+        # taken (an engine core mid-start), is in that session
+        sessions = set(self.replica_pids().values())
+        left = [p for p in psutil.process_iter() if _session(p.pid) in sessions]
+        assert not left, [(p.pid, p.name()) for p in left]
 
-    def stop(self, sig=signal.SIGTERM, expect: int = 0) -> None:
-        self.proc.send_signal(sig)
+    def stop(self, sig=signal.SIGTERM, expect: int = 0, times: int = 1) -> None:
+        for _ in range(times):  # e.g. Ctrl-C pressed again while serve is stopping
+            self.proc.send_signal(sig)
         self.wait(expect)
 
     @contextmanager
@@ -103,6 +120,13 @@ class Graph:
                 os.killpg(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 def _wait_port(port: int, proc: subprocess.Popen, name: str, timeout: float = 30) -> None:

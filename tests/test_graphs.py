@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import urllib.request
 
 import openai
@@ -57,7 +58,7 @@ def agg_answers(tmp_path_factory, image_server):
                   frontend_args=ALLOW_LOOPBACK_IMAGES)
     with graph.failing_loudly():
         answers = _answers(graph.url, _questions(image_server))
-        graph.stop(signal.SIGINT)
+        graph.stop(signal.SIGINT, times=3)  # Ctrl-C, pressed again while it stops
     assert all(stats["request_bytes"] == 0 for *_, stats in answers.values())
     return answers
 
@@ -127,3 +128,17 @@ def test_disagg_graph_on_etcd_and_nats_then_a_crash(tmp_path, image_server, agg_
                 graph.tail()
     finally:
         servers.close()
+
+
+def test_ctrl_c_while_the_graph_starts(tmp_path):
+    """Ctrl-C before the graph is ready stops it at once (serve does not wait out the start-up),
+    exit 0, and nothing it started is left, engine cores in the middle of starting included."""
+    graph = Graph("graphs.disagg:Frontend", "configs/disagg.yaml", tmp_path, wait_ready=False)
+    with graph.failing_loudly():
+        deadline = time.monotonic() + 60
+        while len(graph.replica_pids()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polls serve's own announcement, bounded
+        assert len(graph.replica_pids()) == 3, graph.tail()
+        graph.stop(signal.SIGINT, expect=0)
+        assert not any("[serve] ready" in line for line in graph.log)
+        assert any("[serve] stopped" in line for line in graph.log)
