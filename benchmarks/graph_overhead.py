@@ -74,6 +74,10 @@ class InProcess:
     def close(self) -> None:
         for e in self.engines:
             e.shutdown()
+        # dropped now, while the interpreter is whole: AsyncLLM.__del__ shuts down again and
+        # fails with a TypeError when it runs at interpreter exit
+        self.engines.clear()
+        self.prefill = self.decode = None
 
 
 class Graph:
