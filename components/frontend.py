@@ -10,7 +10,9 @@ through prefill, at most `retries` times; then the client gets a 503 naming the 
 
 A client that goes away mid-answer cancels its handler (aiohttp's handler cancellation); the
 open Dynamo streams are closed with it, which stops the worker's handler and aborts the engine
-request, freeing its KV. Non-streaming answers carry an extra `mmhandoff` object with the
+request, freeing its KV. If it goes away while its request is in prefill, prefill finishes and
+the handoff goes to decode, which is stopped at its first chunk: that frees prefill's blocks
+at once instead of at the end of their lease. Non-streaming answers carry an extra `mmhandoff` object with the
 handoff statistics (OpenAI clients ignore unknown fields). On SIGTERM it stops taking
 connections and lets the answers in flight finish (at most DRAIN_S), then exits.
 """
@@ -31,7 +33,7 @@ from components.frontend_request import ApiError, FrontendLimits, RequestReader
 from components.image_fetch import FetchPolicy
 from components.metrics import FrontendMetrics
 from components.protocol import PrefillAnswer
-from components.runtime import RemoteError, call, call_one
+from components.runtime import RemoteError, background, call, call_one
 
 __all__ = ["Frontend", "FrontendLimits", "ApiError"]
 
@@ -199,13 +201,34 @@ class Frontend:
         """Decode's chunks; the last one's stats also carry prefill's (key `prefill`)."""
         request, prefill_stats = msgspec.to_builtins(prefill_request), None
         if self.prefill is not None:
-            answer = msgspec.convert(await call_one(self.prefill, request), PrefillAnswer)
+            prefilled = asyncio.ensure_future(call_one(self.prefill, request))
+            try:
+                raw = await asyncio.shield(prefilled)
+            except asyncio.CancelledError:  # the client left while prefill ran
+                background(self._release(prefilled))
+                raise
+            answer = msgspec.convert(raw, PrefillAnswer)
             request, prefill_stats = answer.handoff, msgspec.to_builtins(answer.stats)
         async with aclosing(call(self.decode, request)) as chunks:
             async for chunk in chunks:
                 if chunk.get("stats") and prefill_stats:
                     chunk["stats"]["prefill"] = prefill_stats
                 yield chunk
+
+
+    async def _release(self, prefilled: asyncio.Future) -> None:
+        """Prefill, once done, holds the blocks for decode until they are pulled or its lease
+        ends. For a request whose client is gone, hand them to decode and stop after the first
+        chunk: the pull (or, if decode aborts first, vLLM's notice to the producer) frees them
+        now instead of at the end of the lease."""
+        try:
+            answer = msgspec.convert(await prefilled, PrefillAnswer)
+            async with aclosing(call(self.decode, answer.handoff)) as chunks:
+                async for _ in chunks:
+                    break
+        except Exception as e:  # nothing to answer to: the lease frees the blocks in the end
+            print(f"[frontend] releasing an abandoned handoff failed: {e!r}", file=sys.stderr,
+                  flush=True)
 
 
 # ---- OpenAI response shapes ------------------------------------------------------------------

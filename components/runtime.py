@@ -108,7 +108,15 @@ async def call(c, request: Any, instance_id: int | None = None) -> AsyncIterator
             context.stop_generating()
 
 
-_draining: set[asyncio.Task] = set()
+_background: set[asyncio.Task] = set()
+
+
+def background(coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+    """Run `coro` on its own, off any request's path, and keep it alive until done."""
+    task = asyncio.ensure_future(coro)
+    _background.add(task)  # the loop keeps only weak references to tasks
+    task.add_done_callback(_background.discard)
+    return task
 
 
 async def call_one(c, request: Any) -> Any:
@@ -120,9 +128,7 @@ async def call_one(c, request: Any) -> Any:
         item = await anext(items)
     except StopAsyncIteration:
         raise RemoteError("internal", "the endpoint ended its answer without an item") from None
-    task = asyncio.ensure_future(_drain(items))
-    _draining.add(task)  # the loop keeps only weak references to tasks
-    task.add_done_callback(_draining.discard)
+    background(_drain(items))
     return item
 
 

@@ -207,36 +207,63 @@ def _metric(text: str, name: str) -> float:
                if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
+def _engine_states(loop, engines, tag: str) -> dict[str, tuple[float, int]]:
+    """{engine: (KV cache usage, unfinished requests)} of prefill and decode, each stepped once
+    first so that its load is current."""
+    from vllm import SamplingParams
+
+    def state(engine, load, name):
+        async def poke():
+            async for _ in engine.generate({"prompt": "hi"}, SamplingParams(max_tokens=1),
+                                           f"{tag}-{name}-{time.monotonic()}"):
+                pass
+        loop.run(poke())
+        return load.kv_cache_usage, engine.output_processor.get_num_unfinished_requests()
+
+    return {"prefill": state(engines.prefill, engines.prefill_load, "prefill"),
+            "decode": state(engines.decode, engines.decode_load, "decode")}
+
+
+def _back_to(loop, engines, base: dict, within_s: float) -> dict:
+    """Polls (bounded) until no engine holds more KV than in `base` or runs a request; returns
+    the last state seen."""
+    deadline, state = time.monotonic() + within_s, None
+    while time.monotonic() < deadline:
+        state = _engine_states(loop, engines, "after")
+        if all(usage <= base[n][0] and unfinished == 0 for n, (usage, unfinished) in state.items()):
+            break
+        time.sleep(0.2)
+    return state
+
+
+def _idle(state: dict, base: dict) -> bool:
+    return all(usage <= base[n][0] and unfinished == 0 for n, (usage, unfinished) in state.items())
+
+
+def _send_raw(url: str, body: bytes) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=60)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+              b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+              b"\r\n\r\n" + body)
+    return s
+
+
 def test_metrics_and_cancellation(loop, open_server, engines):
     """A streaming client that leaves mid-answer: the request is aborted on decode (no request
     running, no KV held on any engine), and /metrics counted it all."""
-    from vllm import SamplingParams
-
     frontend, url = open_server
 
     def scrape() -> str:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             return r.read().decode()
 
-    def idle(engine, load, tag):  # step the engine once so its load is current
-        async def poke():
-            async for _ in engine.generate({"prompt": "hi"}, SamplingParams(max_tokens=1), tag):
-                pass
-        loop.run(poke())
-        return load.kv_cache_usage, engine.output_processor.get_num_unfinished_requests()
-
-    base = {name: idle(e, l, f"base-{name}")[0] for name, e, l in (
-        ("prefill", engines.prefill, engines.prefill_load),
-        ("decode", engines.decode, engines.decode_load))}
+    base = _engine_states(loop, engines, "base")
     before, generated = scrape(), engines.decode_load.generation_tokens
 
     body = json.dumps({"model": MODEL, "messages": _messages(GOOD), "max_tokens": 1000,
                        "temperature": 0, "stream": True, "ignore_eos": True}).encode()
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=60) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                  b"application/json\r\nContent-Length: " + str(len(body)).encode() +
-                  b"\r\n\r\n" + body)
+    with _send_raw(url, body) as s:
         got = b""
         while got.count(b"data: ") < 3:  # the answer is flowing
             piece = s.recv(65536)
@@ -246,16 +273,8 @@ def test_metrics_and_cancellation(loop, open_server, engines):
     running_while = engines.decode.output_processor.get_num_unfinished_requests()
     assert running_while >= 1
 
-    deadline, state = time.monotonic() + 30, None
-    while time.monotonic() < deadline:
-        state = {name: idle(e, l, f"after-{name}-{time.monotonic()}") for name, e, l in (
-            ("prefill", engines.prefill, engines.prefill_load),
-            ("decode", engines.decode, engines.decode_load))}
-        if all(usage <= base[n] and unfinished == 0 for n, (usage, unfinished) in state.items()):
-            break
-        time.sleep(0.2)
-    assert all(usage <= base[n] and unfinished == 0 for n, (usage, unfinished) in state.items()), \
-        (state, base, running_while)
+    state = _back_to(loop, engines, base, within_s=30)
+    assert _idle(state, base), (state, base, running_while)
     # aborted, not run to its end: far fewer than the 1000 tokens asked for were generated
     assert engines.decode_load.generation_tokens - generated < 500
 
@@ -270,6 +289,34 @@ def test_metrics_and_cancellation(loop, open_server, engines):
                  "mmhandoff_inter_token_latency_seconds_count",
                  "mmhandoff_decode_first_token_seconds_count"):
         assert name in after
+
+
+def test_a_client_that_leaves_during_prefill(loop, open_server, engines):
+    """The client goes away while its request is in prefill (a 1600x1200 JPEG, as large as this
+    frontend's 2 MiB body limit allows: prefill takes a while). Prefill still finishes and then holds the blocks for decode; the frontend hands them
+    to decode and stops it at once, which frees them on prefill long before the lease would."""
+    _, url = open_server
+    base = _engine_states(loop, engines, "base-leave")
+    stored = len(engines.prefill_events.stored())
+    body = json.dumps({"model": MODEL, "max_tokens": 50, "temperature": 0, "stream": True,
+                       "messages": _messages(data_uri(encode(make_image(1600, 1200, 71),
+                                                                 "JPEG"), "image/jpeg"))}).encode()
+    deadline = time.monotonic() + 60
+    with _send_raw(url, body):
+        while _in_flight(url) < 1:  # checked and on its way to prefill: leave now
+            assert time.monotonic() < deadline, "the request never got past the checks"
+            time.sleep(0.01)
+    while len(engines.prefill_events.stored()) <= stored:  # prefill stored its (new) blocks
+        assert time.monotonic() < deadline, "prefill never ran the request"
+        time.sleep(0.01)
+    # from here prefill would hold the blocks for its lease (8 s): they must be free before
+    state = _back_to(loop, engines, base, within_s=engines.lease_s / 2)
+    assert _idle(state, base), (state, base)
+
+
+def _in_flight(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return _metric(r.read().decode(), "mmhandoff_requests_in_flight")
 
 
 def test_health_names_an_endpoint_without_instances(loop, dynamo):
