@@ -230,7 +230,7 @@ def _back_to(loop, engines, base: dict, within_s: float) -> dict:
     deadline, state = time.monotonic() + within_s, None
     while time.monotonic() < deadline:
         state = _engine_states(loop, engines, "after")
-        if all(usage <= base[n][0] and unfinished == 0 for n, (usage, unfinished) in state.items()):
+        if _idle(state, base):
             break
         time.sleep(0.2)
     return state
@@ -255,8 +255,7 @@ def test_metrics_and_cancellation(loop, open_server, engines):
     frontend, url = open_server
 
     def scrape() -> str:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            return r.read().decode()
+        return _scrape(url)
 
     base = _engine_states(loop, engines, "base")
     before, generated = scrape(), engines.decode_load.generation_tokens
@@ -293,8 +292,9 @@ def test_metrics_and_cancellation(loop, open_server, engines):
 
 def test_a_client_that_leaves_during_prefill(loop, open_server, engines):
     """The client goes away while its request is in prefill (a 1600x1200 JPEG, as large as this
-    frontend's 2 MiB body limit allows: prefill takes a while). Prefill still finishes and then holds the blocks for decode; the frontend hands them
-    to decode and stops it at once, which frees them on prefill long before the lease would."""
+    frontend's 2 MiB body limit allows: prefill takes a while). Prefill still finishes and then
+    holds the blocks for decode; the frontend hands them to decode and stops it at once, which
+    frees them on prefill long before the lease would."""
     _, url = open_server
     base = _engine_states(loop, engines, "base-leave")
     stored = len(engines.prefill_events.stored())
@@ -314,9 +314,13 @@ def test_a_client_that_leaves_during_prefill(loop, open_server, engines):
     assert _idle(state, base), (state, base)
 
 
-def _in_flight(url: str) -> float:
+def _scrape(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        return _metric(r.read().decode(), "mmhandoff_requests_in_flight")
+        return r.read().decode()
+
+
+def _in_flight(url: str) -> float:
+    return _metric(_scrape(url), "mmhandoff_requests_in_flight")
 
 
 def test_health_names_an_endpoint_without_instances(loop, dynamo):
