@@ -135,6 +135,87 @@ def test_spin_setting(monkeypatch):
             spin.spin_seconds()
 
 
+def test_engine_core_parts_used_by_the_held_kv_plugin():
+    """held_kv.py wraps EngineCoreProc._process_engine_step and reads these engine-core parts."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCoreProc
+
+    assert _params(EngineCoreProc._process_engine_step) == ["self"]
+    # (run_busy_loop sits under a fault-tolerance wrapper without functools.wraps)
+    busy_loop = inspect.getsource(EngineCoreProc).split("def run_busy_loop", 1)[1]
+    assert "self._process_engine_step()" in busy_loop.split("\n    def ", 1)[0]
+    loop_src = inspect.getsource(EngineCoreProc._process_input_queue)
+    assert "self.input_queue.get(" in loop_src and "self._handle_client_request(*req)" in loop_src
+    init = inspect.getsource(EngineCoreProc.__init__) + inspect.getsource(
+        EngineCoreProc.__mro__[1].__init__)
+    for attr in ("self.input_queue", "self.engines_running", "self.batch_queue"):
+        assert attr in init, f"the engine core no longer has {attr}"
+    # the case the plugin paces: vLLM counts finished requests with held blocks as work
+    assert "has_finished_requests" in inspect.getsource(Scheduler.has_requests) or \
+        "has_finished_requests" in inspect.getsource(Scheduler.__mro__[1].has_requests)
+
+
+class _Core:
+    """The engine-core parts held_kv reads, with a scheduler in a chosen state."""
+
+    def __init__(self, unfinished: bool, held: bool) -> None:
+        import queue
+        from types import SimpleNamespace
+
+        self.scheduler = SimpleNamespace(has_unfinished_requests=lambda: unfinished,
+                                         has_requests=lambda: unfinished or held)
+        self.engines_running = False
+        self.batch_queue = None
+        self.input_queue = queue.Queue()
+        self.handled = []
+
+    def _handle_client_request(self, kind, request) -> None:
+        self.handled.append((kind, request))
+
+
+def test_held_kv_paces_only_an_engine_whose_work_is_held_blocks():
+    from components.vllm_adapter.held_kv import only_held_blocks
+
+    assert only_held_blocks(_Core(unfinished=False, held=True))
+    assert not only_held_blocks(_Core(unfinished=True, held=True))  # e.g. waiting for its pull
+    assert not only_held_blocks(_Core(unfinished=True, held=False))
+
+
+def test_held_kv_wait_ends_when_a_request_arrives():
+    import threading
+    import time
+
+    from components.vllm_adapter.held_kv import wait_for_input
+
+    core = _Core(unfinished=False, held=True)
+    t0 = time.monotonic()
+    wait_for_input(core, 0.05)  # nothing comes: waits out its interval
+    assert time.monotonic() - t0 >= 0.05 and core.handled == []
+
+    threading.Timer(0.05, core.input_queue.put, args=(("ADD", "r1"),)).start()
+    t0 = time.monotonic()
+    wait_for_input(core, 30)
+    assert core.handled == [("ADD", "r1")]
+    assert time.monotonic() - t0 < 10  # woken by the request, not the 30 s interval
+
+
+def test_held_kv_setting(monkeypatch):
+    import pytest
+
+    from components.vllm_adapter import held_kv
+
+    monkeypatch.delenv(held_kv.ENV, raising=False)
+    assert held_kv.poll_seconds() == 0.01
+    monkeypatch.setenv(held_kv.ENV, "default")
+    assert held_kv.poll_seconds() is None
+    monkeypatch.setenv(held_kv.ENV, "2.5")
+    assert held_kv.poll_seconds() == 0.0025
+    for bad in ("soon", "0", "-1", "nan", "1001"):
+        monkeypatch.setenv(held_kv.ENV, bad)
+        with pytest.raises(ValueError, match=held_kv.ENV):
+            held_kv.poll_seconds()
+
+
 def test_engine_processes_stop_spinning_after_a_request(loop, engines):
     """With vLLM's own wait, the model's worker process spins for 1 s after every step (about a
     core for a second); with the plugin it parks within milliseconds. And a parked reader still

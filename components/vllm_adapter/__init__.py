@@ -4,6 +4,8 @@
 - inputs: prompt rendering, the metadata-only decode request, output helpers
 - load: EngineLoad (an engine's KV usage and queue lengths, from its stat stream)
 - scheduler: FailClosedScheduler (loaded by the decode engine through `scheduler_cls`)
+- spin, held_kv: vLLM plugins (entry point `vllm.general_plugins`, run in vLLM's own processes)
+  that keep idle engine processes off the CPU
 """
 
 from components.vllm_adapter.engine import (
