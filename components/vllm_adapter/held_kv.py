@@ -1,5 +1,5 @@
-"""vLLM plugin part: an engine whose only work is KV blocks held for a consumer polls its
-connector every few milliseconds instead of back to back.
+"""vLLM plugin (entry point `vllm.general_plugins`): an engine whose only work is KV blocks held
+for a consumer polls its connector every few milliseconds instead of back to back.
 
 After prefill, the producer keeps a finished request's blocks until decode has pulled them (or
 the lease ends). vLLM 0.31 counts such a request as work (`Scheduler.has_requests`), so its
