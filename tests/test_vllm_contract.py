@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 
 import msgspec
+import pytest
 
 
 def _params(fn) -> list[str]:
@@ -118,21 +119,25 @@ def test_shm_ring_reader_fields_used_by_the_spin_plugin():
         shm_broadcast.MessageQueue.acquire_read), "the ring reader no longer waits through it"
 
 
-def test_spin_setting(monkeypatch):
-    import pytest
+@pytest.mark.parametrize("module, default, example, bads", [
+    ("spin", 0.002, ("0.05", 0.05), ("fast", "-1", "nan", "11")),
+    ("held_kv", 0.01, ("2.5", 0.0025), ("soon", "0", "-1", "nan", "1001")),
+])
+def test_plugin_setting(monkeypatch, module, default, example, bads):
+    import importlib
 
-    from components.vllm_adapter import spin
-
-    monkeypatch.delenv(spin.ENV, raising=False)
-    assert spin.spin_seconds() == 0.002
-    monkeypatch.setenv(spin.ENV, "default")
-    assert spin.spin_seconds() is None
-    monkeypatch.setenv(spin.ENV, "0.05")
-    assert spin.spin_seconds() == 0.05
-    for bad in ("fast", "-1", "nan", "11"):
-        monkeypatch.setenv(spin.ENV, bad)
-        with pytest.raises(ValueError, match=spin.ENV):
-            spin.spin_seconds()
+    plugin = importlib.import_module(f"components.vllm_adapter.{module}")
+    read = plugin.spin_seconds if module == "spin" else plugin.poll_seconds
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    assert read() == default
+    monkeypatch.setenv(plugin.ENV, "default")
+    assert read() is None
+    monkeypatch.setenv(plugin.ENV, example[0])
+    assert read() == example[1]
+    for bad in bads:
+        monkeypatch.setenv(plugin.ENV, bad)
+        with pytest.raises(ValueError, match=plugin.ENV):
+            read()
 
 
 def test_engine_core_parts_used_by_the_held_kv_plugin():
@@ -197,23 +202,6 @@ def test_held_kv_wait_ends_when_a_request_arrives():
     wait_for_input(core, 30)
     assert core.handled == [("ADD", "r1")]
     assert time.monotonic() - t0 < 10  # woken by the request, not the 30 s interval
-
-
-def test_held_kv_setting(monkeypatch):
-    import pytest
-
-    from components.vllm_adapter import held_kv
-
-    monkeypatch.delenv(held_kv.ENV, raising=False)
-    assert held_kv.poll_seconds() == 0.01
-    monkeypatch.setenv(held_kv.ENV, "default")
-    assert held_kv.poll_seconds() is None
-    monkeypatch.setenv(held_kv.ENV, "2.5")
-    assert held_kv.poll_seconds() == 0.0025
-    for bad in ("soon", "0", "-1", "nan", "1001"):
-        monkeypatch.setenv(held_kv.ENV, bad)
-        with pytest.raises(ValueError, match=held_kv.ENV):
-            held_kv.poll_seconds()
 
 
 def test_engine_processes_stop_spinning_after_a_request(loop, engines):

@@ -18,25 +18,17 @@ waiting for their own KV pull, keep vLLM's pacing. Set the variable to `default`
 
 from __future__ import annotations
 
-import os
 import queue
+
+from components.vllm_adapter.plugin_setting import number_or_default
 
 ENV = "MMHANDOFF_HELD_KV_POLL_MS"
 
 
 def poll_seconds() -> float | None:
     """The configured poll interval in seconds; None: leave vLLM's own pacing."""
-    value = os.environ.get(ENV, "10")
-    if value == "default":
-        return None
-    try:
-        ms = float(value)
-    except ValueError:
-        raise ValueError(f"{ENV} must be a number of milliseconds or 'default', got {value!r}") \
-            from None
-    if not 0 < ms <= 1000:
-        raise ValueError(f"{ENV} must be within (0, 1000] milliseconds, got {value!r}")
-    return ms / 1000
+    ms = number_or_default(ENV, "10", "milliseconds", 0, 1000, low_inclusive=False)
+    return None if ms is None else ms / 1000
 
 
 def only_held_blocks(core) -> bool:

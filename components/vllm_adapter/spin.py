@@ -20,8 +20,9 @@ spinning cores are a fair price on a large host.
 
 from __future__ import annotations
 
-import os
 import time
+
+from components.vllm_adapter.plugin_setting import number_or_default
 
 ENV = "MMHANDOFF_SHM_SPIN_S"
 RECHECK_MS = 1  # the longest a lost notification can delay a reader
@@ -29,16 +30,7 @@ RECHECK_MS = 1  # the longest a lost notification can delay a reader
 
 def spin_seconds() -> float | None:
     """The configured spin window in seconds; None: leave vLLM's own."""
-    value = os.environ.get(ENV, "0.002")
-    if value == "default":
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{ENV} must be a number of seconds or 'default', got {value!r}") from None
-    if not 0 <= seconds <= 10:
-        raise ValueError(f"{ENV} must be within [0, 10] seconds, got {value!r}")
-    return seconds
+    return number_or_default(ENV, "0.002", "seconds", 0, 10)
 
 
 def install() -> None:
