@@ -237,3 +237,28 @@ def test_engine_processes_stop_spinning_after_a_request(loop, engines):
     time.sleep(0.8)  # a measuring window: vLLM's own wait spins through all of it
     used = cpu_s() - before
     assert used < 0.3, f"the engine's processes used {used:.2f} CPU-s in 0.8 s after a request"
+
+
+def test_process_teardown_parts_used_by_the_fast_exit_plugin():
+    """fast_exit.py wraps the `shutdown` of the classes that run in vLLM's own processes, each
+    called once as its process ends, and unlinks the shm rings vLLM unlinks only in `__del__`."""
+    import multiprocessing.spawn
+
+    from vllm.distributed.device_communicators.shm_broadcast import ShmRingBuffer
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    core_main = inspect.getsource(EngineCoreProc.run_engine_core)
+    assert "engine_core.shutdown()" in core_main.split("finally:")[-1]
+    worker_main = inspect.getsource(WorkerProc.worker_main)
+    assert "worker.shutdown()" in worker_main.split("finally:")[-1]
+    assert "shutdown" in vars(WorkerProc)
+    # vLLM's own full collections at teardown, the ones skipped
+    from vllm.distributed import parallel_state
+
+    assert "gc.collect()" in inspect.getsource(parallel_state.cleanup_dist_env_and_memory)
+    ring_del = inspect.getsource(ShmRingBuffer.__del__)
+    assert "self.is_creator" in ring_del and "unlink()" in ring_del
+    # a spawned child's last step, which the plugin turns into os._exit
+    assert inspect.getsource(multiprocessing.spawn.spawn_main).rstrip().endswith(
+        "sys.exit(exitcode)")

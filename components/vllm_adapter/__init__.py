@@ -6,6 +6,7 @@
 - scheduler: FailClosedScheduler (loaded by the decode engine through `scheduler_cls`)
 - spin, held_kv: vLLM plugins (entry point `vllm.general_plugins`, run in vLLM's own processes)
   that keep idle engine processes off the CPU
+- fast_exit: a vLLM plugin that lets an engine's processes end by themselves in under a second
 """
 
 from components.vllm_adapter.engine import (
