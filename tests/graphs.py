@@ -45,7 +45,8 @@ class Graph:
             [sys.executable, "-m", "components.cli", "serve", target, "-f", str(self.config),
              "--port", str(self.port)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         self.started = []
         if not wait_ready:
             return
@@ -98,6 +99,7 @@ class Graph:
         left = [p for p in psutil.process_iter() if _session(p.pid) in sessions]
         assert not left, [(p.pid, p.name()) for p in left]
         if expect == 0 and self.started:
+            self.reader.join(timeout=10)  # the log's last lines
             # vLLM kills an engine core that does not end in 5 s; Python's resource tracker
             # unlinks (and reports) shared memory its creator left
             unclean = [line for line in self.log if "force killing" in line or "leaked" in line]
