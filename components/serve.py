@@ -7,8 +7,10 @@ until every one reports ready (workers and the router on Dynamo's system status 
 `DYN_SYSTEM_PORT` each; the frontend on its /health). On Ctrl-C or SIGTERM, and when any
 component dies (its name and exit code are printed; 3 means its engine died), it stops them
 callers first, each stage after the previous one exited: the frontend finishes the requests it
-has in flight while the workers still serve them, then the workers go (SIGTERM, then SIGKILL to
-the whole group after a grace period). It exits 0 on a requested stop, 1 when a component died
+has in flight while the workers still serve them, then the workers go (SIGTERM to each replica's
+process group, a dead replica's included, since its engine processes outlive it; serve waits for
+the group to empty, so they and Python's resource tracker unlink their shared memory; SIGKILL to
+whatever is left after a grace period). It exits 0 on a requested stop, 1 when a component died
 (no restart: a graph that lost a part says so instead of limping on). Discovery is a fresh file
 folder per run and requests go over TCP, unless the YAML names `etcd: <url>` (discovery through
 etcd) and/or `nats: <url>` (requests over NATS). NIXL side-channel ports are picked free per
@@ -176,21 +178,41 @@ class Supervisor:
         stages = [[r for r in self.replicas if r.module == c.module]
                   for c in reversed(self.components)]
         for stage in stages:
-            for r in stage:
-                if r.proc.poll() is None:
-                    os.killpg(r.proc.pid, signal.SIGTERM)
+            for r in stage:  # also a replica that died: its engine processes may live on
+                _signal_group(r.proc.pid, signal.SIGTERM)
             for r in stage:
                 try:
                     r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     print(f"[serve] {r.name} did not stop in {GRACE_S:.0f} s: killing it",
                           flush=True)
+                # what it started (engine processes, Python's resource tracker) unlinks its
+                # shared memory on the way out: let it, instead of killing it half-way
+                while _group_alive(r.proc.pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
         for r in self.replicas:  # the whole group: engine cores and workers included
-            try:
-                os.killpg(r.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _signal_group(r.proc.pid, signal.SIGKILL)
             r.proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (a zombie does not: its parent reaps it)."""
+    import psutil
+
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False
 
 
 def _answers(url: str) -> bool:
