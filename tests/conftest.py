@@ -146,6 +146,17 @@ def dynamo(loop, engines, dynamo_rt):
 
 
 # ---- images ----------------------------------------------------------------------------------------
+def engine_cpu_s(engine) -> float:
+    """CPU seconds used so far by an engine's core process and its model workers."""
+    import psutil
+
+    from components.vllm_adapter import engine_core_pids
+
+    (core_pid,) = engine_core_pids(engine)
+    core = psutil.Process(core_pid)
+    return sum(sum(p.cpu_times()[:2]) for p in (core, *core.children(recursive=True)))
+
+
 def make_image(width: int, height: int, seed: int) -> Image.Image:
     """A photo-like picture (smooth gradients plus noise) so JPEG sizes are realistic."""
     rng = np.random.default_rng(seed)

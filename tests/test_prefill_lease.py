@@ -9,7 +9,7 @@ from vllm import SamplingParams
 from components.decode_worker import DecodeWorker, collect
 from components.prefill_worker import PrefillWorker
 from components.protocol import PrefillRequest
-from tests.conftest import chat, data_uri, encode, make_image
+from tests.conftest import chat, data_uri, encode, engine_cpu_s, make_image
 from tests.flows import greedy
 
 
@@ -64,25 +64,15 @@ def test_blocks_freed_after_pull_and_after_lease(loop, engines):
     assert time.monotonic() - t0 < engines.lease_s - 2
 
 
-def _engine_cpu_s(engine) -> float:
-    import psutil
-
-    from components.vllm_adapter import engine_core_pids
-
-    (core_pid,) = engine_core_pids(engine)
-    core = psutil.Process(core_pid)
-    return sum(sum(p.cpu_times()[:2]) for p in (core, *core.children(recursive=True)))
-
-
 def test_held_blocks_do_not_keep_the_engine_busy(loop, engines):
     """While prefill holds a handoff for decode, its engine polls the connector every few ms
     (held_kv.py) instead of stepping back to back: vLLM's own pacing used about 1.4 cores of
     engine core and model worker for as long as the blocks were held."""
     prefill = PrefillWorker(engines.prefill)
     (handoff,) = _handoffs(loop, prefill, "held-cpu", 1)
-    before = _engine_cpu_s(engines.prefill)
+    before = engine_cpu_s(engines.prefill)
     time.sleep(0.8)  # a measuring window well inside the 8 s lease: the blocks stay held
-    used = _engine_cpu_s(engines.prefill) - before
+    used = engine_cpu_s(engines.prefill) - before
     # and the handoff is still there to pull: decode answers as one engine would
     tokens, last = loop.run(collect(DecodeWorker(engines.decode).generate(handoff)))
     assert len(tokens) == 4 and last.finish_reason == "length"

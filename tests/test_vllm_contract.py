@@ -8,6 +8,8 @@ import inspect
 import msgspec
 import pytest
 
+from tests.conftest import engine_cpu_s
+
 
 def _params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
@@ -211,31 +213,23 @@ def test_engine_processes_stop_spinning_after_a_request(loop, engines):
     would otherwise cost vLLM's 5 s re-check)."""
     import time
 
-    import psutil
     from vllm import SamplingParams
 
-    from components.vllm_adapter import engine_core_pids
-
     engine = engines.full
-    (core_pid,) = engine_core_pids(engine)
-    procs = [psutil.Process(core_pid), *psutil.Process(core_pid).children(recursive=True)]
 
     async def one(i: int) -> None:
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
         async for _ in engine.generate("a b c d", params, f"spin-{i}"):
             pass
 
-    def cpu_s() -> float:
-        return sum(sum(p.cpu_times()[:2]) for p in procs)
-
     for i in range(5):
         t0 = time.monotonic()
         loop.run(one(i))
         assert time.monotonic() - t0 < 2.5, f"request {i} stalled"
         time.sleep(0.02)  # longer than the spin window: the worker parks before the next one
-    before = cpu_s()
+    before = engine_cpu_s(engine)
     time.sleep(0.8)  # a measuring window: vLLM's own wait spins through all of it
-    used = cpu_s() - before
+    used = engine_cpu_s(engine) - before
     assert used < 0.3, f"the engine's processes used {used:.2f} CPU-s in 0.8 s after a request"
 
 
