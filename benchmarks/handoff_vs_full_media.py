@@ -1,13 +1,18 @@
 """Handoff vs full-media decode, measured side by side in one run (tiny model, CPU or GPU).
 
     .venv/bin/python benchmarks/handoff_vs_full_media.py [--requests 8] [--quick]
+    # on a GPU (docs/gpu.md): a LLaVA-1.5-7B-shaped model with random weights
+    python benchmarks/handoff_vs_full_media.py --model-shape llava-1.5-7b --concurrency 1,8 \
+        --skip-overhead
 
 Arms (same prefill engine, same settings otherwise):
 - handoff:    decode gets the Handoff (token ids, hashes, spans) and pulls KV over NIXL;
 - full media: decode gets the prompt and the original image bytes, decodes and re-processes them,
               and pulls the same KV (what P/D stacks do today).
-Per arm, image size (640x480 and 12 MP JPEG) and concurrency (1 and 4): decode-side input
-preparation, TTFT (prefill start to first decode token) p50/p95, decode request bytes, ratios.
+Per arm, image size (640x480 and 12 MP JPEG) and concurrency (default 1 and 4): decode-side input
+preparation, decode submit-to-first-token (admission, input preparation, KV pull, one step),
+TTFT (prefill start to first decode token) p50/p95, decode request bytes, the prompt tokens
+decode pulled over NIXL, ratios.
 Then the NixlConnector overhead: per-request latency of one engine without a KV connector, with
 NixlConnector (our settings: 0 UCX worker threads) and with vLLM's default 4 threads.
 Peak RSS of every engine's processes is sampled throughout.
@@ -39,24 +44,39 @@ async def main(args) -> None:
     from components.handoff import Sampling, encode_handoff
     from components.prefill_worker import PrefillWorker
     from components.protocol import FullMediaRequest, PrefillRequest
+    from components.dummy_model import ensure_dummy_model
     from components.tiny_model import ensure_tiny_model
     from components.vllm_adapter import EngineSpec, start_engine
+    from components.vllm_adapter.engine import on_cpu
 
-    model = str(ensure_tiny_model())
     mem = PeakRSS()
     engines = {}
+    if args.model_shape == "tiny":
+        model = str(ensure_tiny_model())
+        common = dict(model=model, dtype="float32")
+        cores = {"prefill": "0", "decode": "1", "full-media decode": "1", "no connector": "1"}
+    else:  # a real-size shape with random weights; GPU: each engine gets a share of it
+        model = str(ensure_dummy_model(args.model_shape))
+        common = dict(model=model, dtype="bfloat16", extra={"load_format": "dummy"},
+                      gpu_memory_utilization=None if on_cpu() else args.gpu_memory_utilization)
+        cores = {}
+    common.update(block_size=args.block_size, cuda_ipc_get=args.cuda_ipc_get == "on")
     specs = {
-        "prefill": EngineSpec(model=model, role="prefill", cpu_cores="0", nixl_port=port(), dtype="float32"),
-        "decode": EngineSpec(model=model, role="decode", cpu_cores="1", nixl_port=port(), dtype="float32"),
-        "full-media decode": EngineSpec(model=model, role="full_media_decode", cpu_cores="1",
-                                        nixl_port=port(), dtype="float32"),
-        "no connector": EngineSpec(model=model, role="agg", cpu_cores="1", dtype="float32"),
+        "prefill": EngineSpec(role="prefill", cpu_cores=cores.get("prefill"), nixl_port=port(),
+                              **common),
+        "decode": EngineSpec(role="decode", cpu_cores=cores.get("decode"), nixl_port=port(),
+                             **common),
+        "full-media decode": EngineSpec(role="full_media_decode", nixl_port=port(),
+                                        cpu_cores=cores.get("full-media decode"), **common),
     }
+    if not args.skip_overhead:
+        specs["no connector"] = EngineSpec(role="agg", cpu_cores=cores.get("no connector"),
+                                           **common)
     # vLLM's own NixlConnector settings (4 UCX threads, NIXL's spinning progress thread): started
     # only for its measurement at the end, since its idle spinning would slow everything else.
-    default_spec = EngineSpec(model=model, role="full_media_decode", cpu_cores="1",
-                              nixl_port=port(), dtype="float32", nixl_threads=4,
-                              nixl_progress_delay_us=0)
+    default_spec = EngineSpec(role="full_media_decode", cpu_cores=cores.get("no connector"),
+                              nixl_port=port(), nixl_threads=4, nixl_progress_delay_us=0,
+                              **common)
     for name, spec in specs.items():
         print(f"[bench] starting {name} engine ...", file=sys.stderr, flush=True)
         before = mem.children()
@@ -75,7 +95,10 @@ async def main(args) -> None:
         messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
                                                  {"type": "text", "text": "Describe it."}]}]
         req = PrefillRequest(request_id=rid, messages=messages, sampling=sampling)
-        handoff, _ = await prefill.handoff(req)
+        handoff, _ = await asyncio.wait_for(prefill.handoff(req), 120)
+        if args.verbose:
+            print(f"[bench] {rid}: prefill {(time.perf_counter() - t0) * 1e3:.0f} ms",
+                  file=sys.stderr, flush=True)
         if arm == "handoff":
             wire = encode_handoff(handoff)
             stream = decode.generate(wire)
@@ -93,14 +116,18 @@ async def main(args) -> None:
             if ttft is None:
                 ttft = (time.perf_counter() - t0) * 1e3
             last = chunk
-        return ttft, last.stats.prepare_ms, len(wire)
+        st = last.stats
+        if args.verbose:
+            print(f"[bench] {rid}: first decode token {ttft:.0f} ms, pulled "
+                  f"{st.kv_tokens_pulled} of {st.prompt_tokens}", file=sys.stderr, flush=True)
+        return ttft, st.prepare_ms, len(wire), st.ttft_ms, st.kv_tokens_pulled, st.prompt_tokens
 
     rows = []
     seed = 0
     for size_name, (w, h) in sizes.items():
         n = args.requests
         images = [jpeg(w, h, 1000 + i) for i in range(2 * n + 2)]
-        for conc in (1, 4):
+        for conc in args.concurrency:
             for arm in ("full media", "handoff"):
                 await one(arm, images[-1], f"warm-{arm}-{size_name}-{conc}")  # warm-up
                 results = []
@@ -110,20 +137,34 @@ async def main(args) -> None:
                     results += await asyncio.gather(*batch)
                     seed += len(batch)
                 ttfts = [r[0] for r in results]
+                firsts = [r[3] for r in results]
                 rows.append((size_name, conc, arm, statistics.median(r[1] for r in results),
-                             pct(ttfts, 50), pct(ttfts, 95), statistics.median(r[2] for r in results)))
+                             pct(ttfts, 50), pct(ttfts, 95), statistics.median(r[2] for r in results),
+                             pct(firsts, 50), pct(firsts, 95),
+                             f"{min(r[4] for r in results)}-{max(r[4] for r in results)} "
+                             f"of {max(r[5] for r in results)}"))
 
-    print("\n## Handoff vs full media (tiny model, TTFT = prefill start to first decode token)\n")
-    print("| image | conc | arm | decode prep ms | TTFT p50 ms | TTFT p95 ms | decode request bytes |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n## Handoff vs full media ({args.model_shape}, block {args.block_size}, cuda_ipc GET "
+          f"{args.cuda_ipc_get}; TTFT = prefill start to first decode token)\n")
+    print("| image | conc | arm | decode prep ms | decode first token p50 / p95 ms | TTFT p50 ms "
+          "| TTFT p95 ms | decode request bytes | prompt tokens pulled |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.2f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:,.0f} |")
-    print("\n| image | conc | handoff/full TTFT p50 | TTFT p50 reduction | handoff/full request bytes |")
-    print("|---|---|---|---|---|")
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.2f} | {r[7]:.1f} / {r[8]:.1f} | {r[4]:.1f} "
+              f"| {r[5]:.1f} | {r[6]:,.0f} | {r[9]} |")
+    print("\n| image | conc | handoff/full decode first token p50 | handoff/full TTFT p50 "
+          "| TTFT p50 reduction | handoff/full request bytes |")
+    print("|---|---|---|---|---|---|")
     for i in range(0, len(rows), 2):
         f, hnd = rows[i], rows[i + 1]
-        print(f"| {f[0]} | {f[1]} | {hnd[4] / f[4]:.2f} | {100 * (1 - hnd[4] / f[4]):.0f}% | "
-              f"{hnd[6] / f[6]:.5f} ({100 * hnd[6] / f[6]:.3f}%) |")
+        print(f"| {f[0]} | {f[1]} | {hnd[7] / f[7]:.2f} | {hnd[4] / f[4]:.2f} "
+              f"| {100 * (1 - hnd[4] / f[4]):.0f}% | {hnd[6] / f[6]:.5f} ({100 * hnd[6] / f[6]:.3f}%) |")
+    if args.skip_overhead:
+        mem.stop()
+        for eng in engines.values():
+            eng.shutdown()
+        engines.clear()  # no AsyncLLM.__del__ at interpreter exit
+        return
 
     print("\n## NixlConnector overhead (text prompt, 8 output tokens, sequential, core 1)\n")
 
@@ -179,6 +220,7 @@ async def main(args) -> None:
     mem.stop()
     for eng in engines.values():
         eng.shutdown()
+    engines.clear()
 
 
 if __name__ == "__main__":
@@ -186,4 +228,17 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=8, help="requests per arm and setting")
     parser.add_argument("--quick", action="store_true",
                         help="skip the engine with vLLM's default NIXL settings")
+    parser.add_argument("--verbose", action="store_true", help="a line per request phase")
+    parser.add_argument("--skip-overhead", action="store_true",
+                        help="skip the NixlConnector overhead section (CPU-specific)")
+    parser.add_argument("--model-shape", default="tiny", choices=("tiny", "llava-1.5-7b"),
+                        help="tiny: the built-in random model; else a real-size shape with "
+                             "random weights (components/dummy_model.py; for GPUs)")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 4], help="comma-separated, e.g. 1,8")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.25,
+                        help="GPU: each engine's share (three engines share one GPU)")
+    parser.add_argument("--cuda-ipc-get", choices=("on", "off"), default="on",
+                        help="GPU: UCX_CUDA_IPC_ENABLE_GET_ZCOPY y (on) or UCX's auto (off)")
     asyncio.run(main(parser.parse_args()))

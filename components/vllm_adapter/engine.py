@@ -52,12 +52,23 @@ class EngineSpec:
     kv_lease_s: int | None = None  # how long prefill holds unpulled blocks
     kv_events_endpoint: str | None = None  # ZMQ endpoint for KV events ("tcp://*:port": bind)
     connector_module: str | None = None  # default: CONNECTOR; tests inject faults with another
-    gpu_memory_utilization: float | None = None
+    gpu_memory_utilization: float | None = None  # GPU: this engine's share (two on one GPU)
+    # Every engine of a graph must derive the same first block hash, or prefill, decode and the
+    # router disagree on every block: vLLM 0.26 draws it from os.urandom unless PYTHONHASHSEED
+    # is set (0.31 uses a fixed default). Set explicitly on every version.
+    block_hash_seed: int = 0
+    # GPU: let UCX serve NIXL's READ (decode's pull) through cuda_ipc. UCX turns cuda_ipc's GET
+    # off when it sees no active NVLink (one GPU, PCIe-only hosts), and the pull then falls back
+    # to "software emulation" over TCP: 0.6 GB/s instead of 17 GB/s on an H200 (docs/gpu.md).
+    # False leaves UCX's own choice ("auto").
+    cuda_ipc_get: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs as is
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"unknown engine role {self.role!r}; expected one of {ROLES}")
+        if not 0 <= self.block_hash_seed <= 2**32 - 1:  # what PYTHONHASHSEED accepts
+            raise ValueError(f"block_hash_seed must be in [0, 2**32 - 1], got {self.block_hash_seed}")
 
 
 def on_cpu() -> bool:
@@ -119,7 +130,7 @@ def engine_args(spec: EngineSpec):
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:
     """Environment the engine core process must start with."""
-    env = {}
+    env = {"PYTHONHASHSEED": str(spec.block_hash_seed)}
     if on_cpu():
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
         if spec.cpu_cores is not None:
@@ -128,6 +139,8 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.nixl_host
         if spec.nixl_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_port)
+        if not on_cpu():
+            env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y" if spec.cuda_ipc_get else "auto"
     return env
 
 

@@ -1,0 +1,32 @@
+"""EngineSpec -> the environment an engine starts with (no engine is started here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.vllm_adapter import EngineSpec
+from components.vllm_adapter import engine as engine_mod
+from components.vllm_adapter.engine import ROLES, engine_env
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_every_engine_gets_the_same_explicit_block_hash_seed(role):
+    # vLLM 0.26 draws its first block hash from os.urandom unless PYTHONHASHSEED is set: two
+    # engines without it never agree on a block hash (prefix reuse and the router break).
+    assert engine_env(EngineSpec(model="m", role=role))["PYTHONHASHSEED"] == "0"
+    assert engine_env(EngineSpec(model="m", role=role, block_hash_seed=7))["PYTHONHASHSEED"] == "7"
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**40])
+def test_a_seed_python_would_refuse_is_refused_at_once(seed):
+    with pytest.raises(ValueError, match="block_hash_seed"):
+        EngineSpec(model="m", role="decode", block_hash_seed=seed)
+
+
+def test_cuda_ipc_get_is_set_for_kv_engines_on_gpus_only(monkeypatch):
+    var = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    assert var not in engine_env(EngineSpec(model="m", role="decode"))  # this CPU machine
+    monkeypatch.setattr(engine_mod, "on_cpu", lambda: False)
+    assert engine_env(EngineSpec(model="m", role="decode"))[var] == "y"
+    assert engine_env(EngineSpec(model="m", role="prefill", cuda_ipc_get=False))[var] == "auto"
+    assert var not in engine_env(EngineSpec(model="m", role="agg"))  # no KV transfer at all
