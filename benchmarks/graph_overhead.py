@@ -46,10 +46,10 @@ def messages(image: bytes) -> list[dict]:
 
 class InProcess:
     def __init__(self) -> None:
-        from components.decode_worker import DecodeWorker
-        from components.prefill_worker import PrefillWorker
-        from components.tiny_model import ensure_tiny_model
-        from components.vllm_adapter import EngineSpec, start_engine
+        from mmhandoff.decode.worker import DecodeWorker
+        from mmhandoff.models.tiny import ensure_tiny_model
+        from mmhandoff.prefill.worker import PrefillWorker
+        from mmhandoff.vllm_adapter import EngineSpec, start_engine
 
         model = str(ensure_tiny_model())  # the settings `launch` gives the graph's workers
         self.engines = [start_engine(EngineSpec(model=model, role=role, cpu_cores=core,
@@ -59,8 +59,8 @@ class InProcess:
         self.decode = DecodeWorker(self.engines[1])
 
     async def request(self, rid: str, image: bytes) -> float:
-        from components.handoff import Sampling
-        from components.protocol import PrefillRequest
+        from mmhandoff.wire.handoff import Sampling
+        from mmhandoff.wire.messages import PrefillRequest
 
         t0 = time.perf_counter()
         handoff, _ = await self.prefill.handoff(PrefillRequest(
@@ -86,7 +86,7 @@ class Graph:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "components.cli", "serve", "graphs.disagg:Frontend", "-f",
+            [sys.executable, "-m", "mmhandoff", "serve", "graphs.disagg:Frontend", "-f",
              str(ROOT / "configs/disagg.yaml"), "--port", str(self.port)],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
@@ -170,11 +170,11 @@ async def idle_cpu(pids: list[int], seconds: float = 3.0) -> float:
 async def main(args) -> None:
     import aiohttp
 
-    from components.vllm_adapter import engine_core_pids
+    from mmhandoff.vllm_adapter import engine_core_pids
 
     run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-bench-"))
     # Both arms stay up and take turns: with the engines' spin plugin
-    # (components/vllm_adapter/spin.py) the idle arm uses a few percent of a core (printed).
+    # (components/src/mmhandoff/vllm_adapter/spin.py) the idle arm uses a few percent of a core (printed).
     print("in-process arm: starting the engines", flush=True)
     local = InProcess()  # on this loop: AsyncLLM binds its output handler to it
     print(f"graph arm: starting the graph (log: {run_dir}/graph.log)", flush=True)

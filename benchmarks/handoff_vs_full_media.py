@@ -38,16 +38,15 @@ from benchmarks.common import PeakRSS, jpeg, pct, port  # noqa: E402
 
 async def main(args) -> None:
     import msgspec
-    from vllm import SamplingParams
 
-    from components.decode_worker import DecodeWorker, FullMediaDecodeWorker
-    from components.handoff import Sampling, encode_handoff
-    from components.prefill_worker import PrefillWorker
-    from components.protocol import FullMediaRequest, PrefillRequest
-    from components.dummy_model import ensure_dummy_model
-    from components.tiny_model import ensure_tiny_model
-    from components.vllm_adapter import EngineSpec, start_engine
-    from components.vllm_adapter.engine import on_cpu
+    from mmhandoff.decode.worker import DecodeWorker, FullMediaDecodeWorker
+    from mmhandoff.models.dummy import ensure_dummy_model
+    from mmhandoff.models.tiny import ensure_tiny_model
+    from mmhandoff.prefill.worker import PrefillWorker
+    from mmhandoff.vllm_adapter import EngineSpec, sampling_params, start_engine
+    from mmhandoff.vllm_adapter.engine import on_cpu
+    from mmhandoff.wire.handoff import Sampling, encode_handoff
+    from mmhandoff.wire.messages import FullMediaRequest, PrefillRequest
 
     mem = PeakRSS()
     engines = {}
@@ -174,7 +173,7 @@ async def main(args) -> None:
             t0 = time.perf_counter()
             async for _ in engines[name].generate(
                     {"prompt": f"Count to ten, number {i}."},
-                    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), f"lat-{name}-{i}"):
+                    sampling_params(Sampling(max_tokens=8, temperature=0, ignore_eos=True)), f"lat-{name}-{i}"):
                 pass
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times[1:])
@@ -233,7 +232,7 @@ if __name__ == "__main__":
                         help="skip the NixlConnector overhead section (CPU-specific)")
     parser.add_argument("--model-shape", default="tiny", choices=("tiny", "llava-1.5-7b"),
                         help="tiny: the built-in random model; else a real-size shape with "
-                             "random weights (components/dummy_model.py; for GPUs)")
+                             "random weights (mmhandoff.models.dummy; for GPUs)")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 4], help="comma-separated, e.g. 1,8")
     parser.add_argument("--block-size", type=int, default=32)

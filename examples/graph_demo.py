@@ -45,7 +45,7 @@ def free_port() -> int:
 def start_graph(port: int, log_path: Path) -> subprocess.Popen:
     """Start serve; echo its own progress lines, keep everything in the log file."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "components.cli", "serve", "graphs.disagg:Frontend", "-f",
+        [sys.executable, "-m", "mmhandoff", "serve", "graphs.disagg:Frontend", "-f",
          str(ROOT / "configs/disagg.yaml"), "--port", str(port)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ready = threading.Event()

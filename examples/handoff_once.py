@@ -30,12 +30,12 @@ def step(msg: str) -> None:
 
 
 async def run(image: bytes, max_tokens: int) -> None:
-    from components.decode_worker import DecodeWorker, collect
-    from components.handoff import Sampling, encode_handoff
-    from components.prefill_worker import PrefillWorker
-    from components.protocol import PrefillRequest
-    from components.tiny_model import ensure_tiny_model
-    from components.vllm_adapter import EngineSpec, start_engine
+    from mmhandoff.decode.worker import DecodeWorker, collect
+    from mmhandoff.models.tiny import ensure_tiny_model
+    from mmhandoff.prefill.worker import PrefillWorker
+    from mmhandoff.vllm_adapter import EngineSpec, start_engine
+    from mmhandoff.wire.handoff import Sampling, encode_handoff
+    from mmhandoff.wire.messages import PrefillRequest
 
     model = str(ensure_tiny_model())
     t = time.perf_counter()

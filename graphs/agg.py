@@ -1,6 +1,6 @@
-"""frontend -> agg_worker (the whole VLM on one engine; the reference for the disagg answers)."""
+"""frontend -> agg (the whole VLM on one engine; the reference for the disagg answers)."""
 
-from graphs.graph import Component
+from mmhandoff.serving.graph import Component
 
 Frontend = Component("frontend", engine=False)
-Worker = Frontend.link(Component("agg_worker"))
+Worker = Frontend.link(Component("agg"))

@@ -1,7 +1,7 @@
-"""frontend -> prefill_worker (encode + prefill) -> decode_worker (the media-free handoff)."""
+"""frontend -> prefill (encode + prefill) -> decode (the media-free handoff)."""
 
-from graphs.graph import Component
+from mmhandoff.serving.graph import Component
 
 Frontend = Component("frontend", engine=False)
-Prefill = Frontend.link(Component("prefill_worker"))
-Decode = Prefill.link(Component("decode_worker"))
+Prefill = Frontend.link(Component("prefill"))
+Decode = Prefill.link(Component("decode"))

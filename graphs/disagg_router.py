@@ -1,11 +1,11 @@
-"""frontend -> prefill_worker -> router -> decode_worker (replicas).
+"""frontend -> prefill -> router -> decode (replicas).
 
 The frontend sends the handoff to the router, which picks the decode replica (pass-through round
-robin until the KV-aware choice lands; components/router.py)."""
+robin until the KV-aware choice lands; mmhandoff.router)."""
 
-from graphs.graph import Component
+from mmhandoff.serving.graph import Component
 
 Frontend = Component("frontend", engine=False)
-Prefill = Frontend.link(Component("prefill_worker"))
+Prefill = Frontend.link(Component("prefill"))
 Router = Prefill.link(Component("router", engine=False))
-Decode = Router.link(Component("decode_worker"))
+Decode = Router.link(Component("decode"))

@@ -56,7 +56,7 @@ def loop():
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from components.tiny_model import ensure_tiny_model
+    from mmhandoff.models.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model())
 
@@ -74,7 +74,7 @@ class Engines:
 
 
 def start(loop: Loop, spec, load=None) -> Any:
-    from components.vllm_adapter import start_engine
+    from mmhandoff.vllm_adapter import start_engine
 
     async def _start():
         return start_engine(spec, load)
@@ -84,8 +84,8 @@ def start(loop: Loop, spec, load=None) -> Any:
 
 @pytest.fixture(scope="session")
 def engines(loop, tiny_model):
-    from components.kv_events import KVEventSubscriber
-    from components.vllm_adapter import EngineLoad, EngineSpec
+    from mmhandoff.vllm_adapter import EngineLoad, EngineSpec
+    from mmhandoff.vllm_adapter.kv_events import KVEventSubscriber
 
     lease_s = 8
     prefill_load, decode_load = EngineLoad(), EngineLoad()
@@ -113,7 +113,7 @@ def engines(loop, tiny_model):
 @pytest.fixture(scope="session")
 def dynamo_rt(loop, tmp_path_factory):
     """One Dynamo runtime for the session (file discovery, TCP request plane, loopback)."""
-    from components.runtime import runtime
+    from mmhandoff.serving.runtime import runtime
 
     os.environ["DYN_FILE_KV"] = str(tmp_path_factory.mktemp("dyn-discovery"))
 
@@ -127,11 +127,11 @@ def dynamo_rt(loop, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def dynamo(loop, engines, dynamo_rt):
-    from components.decode_worker import DecodeWorker, KVCoverageError
-    from components.handoff import HandoffError
-    from components.images import ImageError
-    from components.prefill_worker import InvalidRequest, PrefillWorker
-    from components.runtime import client, serve
+    from mmhandoff.decode.worker import DecodeWorker, KVCoverageError
+    from mmhandoff.media.images import ImageError
+    from mmhandoff.prefill.worker import InvalidRequest, PrefillWorker
+    from mmhandoff.serving.runtime import client, serve
+    from mmhandoff.wire.handoff import HandoffError
 
     prefill, decode = PrefillWorker(engines.prefill), DecodeWorker(engines.decode)
 
@@ -150,7 +150,7 @@ def engine_cpu_s(engine) -> float:
     """CPU seconds used so far by an engine's core process and its model workers."""
     import psutil
 
-    from components.vllm_adapter import engine_core_pids
+    from mmhandoff.vllm_adapter import engine_core_pids
 
     (core_pid,) = engine_core_pids(engine)
     core = psutil.Process(core_pid)
@@ -227,7 +227,20 @@ def image_server(loop):
     app.router.add_get("/slow", slow)
     app.router.add_get("/to-img", redirect("/img.png"))
     app.router.add_get("/to-metadata", redirect("http://169.254.169.254/latest/meta-data/"))
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, handler_cancellation=True)  # a client gone ends /slow at once
     url = serve_app(loop, runner)
     yield url
     loop.run(runner.cleanup())
+
+
+# ---- tiers --------------------------------------------------------------------------------------
+TIERS = ("unit", "engine", "graph")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test has exactly one tier marker; within a run, tiers go in order (unit first)."""
+    untiered = [i.nodeid for i in items if sum(1 for t in TIERS if i.get_closest_marker(t)) != 1]
+    if untiered:
+        raise pytest.UsageError(f"tests without exactly one tier marker {TIERS}: {untiered}")
+    rank = {t: n for n, t in enumerate(TIERS)}
+    items.sort(key=lambda i: next(rank[t] for t in TIERS if i.get_closest_marker(t)))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
-from components.decode_worker import collect
-from components.handoff import Sampling
-from components.protocol import FullMediaRequest, PrefillRequest
-from components.vllm_adapter import sampling_params
+from mmhandoff.decode.worker import collect
+from mmhandoff.vllm_adapter import sampling_params
+from mmhandoff.wire.handoff import Sampling
+from mmhandoff.wire.messages import FullMediaRequest, PrefillRequest
 
 
 def greedy(max_tokens: int = 32, **kw) -> Sampling:

@@ -6,15 +6,23 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from components.decode_worker import DecodeWorker, collect
-from components.handoff import (
-    EmptyHash, FingerprintMismatch, PayloadPresent, SpanOutOfRange,
-    SpanReachesFinalToken, UnsupportedRequest, UnsupportedVersion, encode_handoff,
+from mmhandoff.decode.worker import DecodeWorker, collect
+from mmhandoff.prefill.worker import PrefillWorker
+from mmhandoff.wire.handoff import (
+    EmptyHash,
+    FingerprintMismatch,
+    PayloadPresent,
+    SpanOutOfRange,
+    SpanReachesFinalToken,
+    UnsupportedRequest,
+    UnsupportedVersion,
+    encode_handoff,
 )
-from components.prefill_worker import PrefillWorker
-from components.protocol import PrefillRequest
+from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import agg_run, greedy
+
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")

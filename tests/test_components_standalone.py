@@ -1,4 +1,4 @@
-"""Each component runs alone (`python -m components.<name>`), as Kubernetes will run it: two
+"""Each component runs alone (`python -m mmhandoff.<component>`), as Kubernetes will run it: two
 processes find each other through file discovery, answer a handoff, report ready on Dynamo's
 system status server, and exit cleanly on SIGTERM leaving no child process. A worker whose engine
 dies reports not ready and exits with health.ENGINE_DEAD."""
@@ -12,18 +12,20 @@ import signal
 import subprocess
 import sys
 import time
-
 import urllib.error
 import urllib.request
 
 import msgspec
 import psutil
+import pytest
 
-from components.health import ENGINE_DEAD, free_system_port
-from components.protocol import PrefillRequest
-from components.runtime import call, client, runtime
+from mmhandoff.serving.health import ENGINE_DEAD, free_system_port
+from mmhandoff.serving.runtime import call, client, runtime
+from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image
 from tests.flows import greedy
+
+pytestmark = pytest.mark.graph
 
 
 def _start(module, *args, env, system_port, log):
@@ -50,10 +52,10 @@ def test_prefill_and_decode_processes(tmp_path, tiny_model):
                UCX_NET_DEVICES="lo")
     ports = [free_system_port(), free_system_port()]
     procs = [
-        _start("components.prefill_worker", "--model", tiny_model, "--cpu-cores", "0",
+        _start("mmhandoff.prefill", "--model", tiny_model, "--cpu-cores", "0",
                "--nixl-port", str(free_port()), env=env, system_port=ports[0],
                log=tmp_path / "prefill.log"),
-        _start("components.decode_worker", "--model", tiny_model, "--cpu-cores", "1",
+        _start("mmhandoff.decode", "--model", tiny_model, "--cpu-cores", "1",
                "--nixl-port", str(free_port()), env=env, system_port=ports[1],
                log=tmp_path / "decode.log"),
     ]

@@ -7,12 +7,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from components.decode_worker import collect
-from components.handoff import EmptyHash
-from components.protocol import PrefillRequest
-from components.runtime import RemoteError, call
+from mmhandoff.decode.worker import collect
+from mmhandoff.serving.runtime import RemoteError, call
+from mmhandoff.wire.handoff import EmptyHash
+from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import greedy
+
+pytestmark = pytest.mark.engine
 
 
 async def _all(stream):
@@ -65,8 +67,8 @@ def test_router_passes_handoffs_and_errors_through(loop, dynamo):
     tokens as decode directly, and decode's typed errors arrive unchanged."""
     import asyncio
 
-    from components.router import Router
-    from components.runtime import client, runtime, serve
+    from mmhandoff.router.router import Router
+    from mmhandoff.serving.runtime import client, runtime, serve
 
     _, _, p, d = dynamo
 
@@ -94,8 +96,8 @@ def test_router_passes_handoffs_and_errors_through(loop, dynamo):
 def test_full_media_arm_endpoint_handlers(loop, dynamo, engines):
     """The benchmark arm's endpoint handlers, in their wire forms: prefill answers with prompt + image bytes, decode (with the
     vision tower) re-processes them; same tokens as the handoff, and decode got the media."""
-    from components.decode_worker import FullMediaDecodeWorker
-    from components.prefill_worker import PrefillWorker
+    from mmhandoff.decode.worker import FullMediaDecodeWorker
+    from mmhandoff.prefill.worker import PrefillWorker
 
     prefill, _, p, d = dynamo
     png = encode(make_image(160, 120, 80))
@@ -120,7 +122,7 @@ def test_call_one_answers_before_the_stream_ends(loop, dynamo_rt):
     RemoteError."""
     import asyncio
 
-    from components.runtime import call_one, client, serve
+    from mmhandoff.serving.runtime import call_one, client, serve
 
     ended = asyncio.Event()
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from components.vllm_adapter import EngineSpec
-from components.vllm_adapter import engine as engine_mod
-from components.vllm_adapter.engine import ROLES, engine_env
+from mmhandoff.vllm_adapter import EngineSpec
+from mmhandoff.vllm_adapter import engine as engine_mod
+from mmhandoff.vllm_adapter.engine import ROLES, engine_env
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("role", ROLES)

@@ -9,18 +9,20 @@ import time
 import msgspec
 import pytest
 
-from components.decode_worker import DecodeWorker, KVCoverageError, collect
-from components.prefill_worker import PrefillWorker
-from components.protocol import PrefillRequest
+from mmhandoff.decode.worker import DecodeWorker, KVCoverageError, collect
+from mmhandoff.prefill.worker import PrefillWorker
+from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image, start
 from tests.flows import agg_run, greedy
+
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def fault_engine(loop, tiny_model):
     """A decode engine with a tiny KV cache (11 usable blocks of 32 tokens) and the test
     connector that can fail loads on request."""
-    from components.vllm_adapter import EngineSpec
+    from mmhandoff.vllm_adapter import EngineSpec
 
     engine = start(loop, EngineSpec(
         model=tiny_model, role="decode", dtype="float32", cpu_cores="1", nixl_port=free_port(),

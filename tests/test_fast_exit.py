@@ -1,6 +1,6 @@
 """The fast_exit plugin's teardown, in a process of its own (it ends the process it runs in).
 
-The end-to-end check is in tests/graphs.py: every graph the tests stop must leave no engine
+The end-to-end check is in tests/graph_runner.py: every graph the tests stop must leave no engine
 force-killed and no shared memory behind.
 """
 
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.engine  # vLLM's shm ring in a process of its own
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A stand-in for vLLM's EngineCoreProc/WorkerProc: it owns a real vLLM shm ring, and its
@@ -20,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = r"""
 import atexit, gc, os, signal, sys, threading, weakref
 from vllm.distributed.device_communicators.shm_broadcast import ShmRingBuffer
-from components.vllm_adapter.fast_exit import final_teardown
+from mmhandoff.vllm_adapter.fast_exit import final_teardown
 
 class Proc:
     def __init__(self):
@@ -71,7 +73,7 @@ def test_teardown_skips_collection_unlinks_its_rings_and_ends_the_process():
 
 
 def test_setting(monkeypatch):
-    from components.vllm_adapter import fast_exit
+    from mmhandoff.vllm_adapter import fast_exit
 
     monkeypatch.delenv(fast_exit.ENV, raising=False)
     assert fast_exit.enabled()

@@ -16,7 +16,9 @@ import openai
 import pytest
 
 from tests.conftest import data_uri, encode, make_image
-from tests.graphs import Graph, Servers
+from tests.graph_runner import Graph, Servers
+
+pytestmark = pytest.mark.graph
 
 MODEL = "tiny-llava"
 ALLOW_LOOPBACK_IMAGES = ["--allow-image-networks", "127.0.0.0/8"]  # the test image server
@@ -97,13 +99,34 @@ def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers):
     with graph.failing_loudly():
         questions = _questions(image_server)
         _check_equal_to_agg(_answers(graph.url, questions), agg_answers)
-        assert any(line.startswith("[decode_worker-0]") for line in graph.log)
+        assert any(line.startswith("[decode-0]") for line in graph.log)
         health = graph.health_urls()  # every replica reports ready (workers: Dynamo's server)
-        assert sorted(health) == ["decode_worker-0", "frontend-0", "prefill_worker-0"]
+        assert sorted(health) == ["decode-0", "frontend-0", "prefill-0"]
         for url in health.values():
             with urllib.request.urlopen(url, timeout=10) as r:
                 assert r.status == 200, url
         _stop_mid_answer(graph, questions["data URI"])
+
+
+@pytest.mark.parametrize("target, config, replicas", [
+    ("graphs.disagg_router:Frontend", "configs/disagg_router.yaml",
+     ["decode-0", "decode-1", "frontend-0", "prefill-0", "router-0"]),
+    ("graphs.full_media:Frontend", "configs/full_media.yaml", ["decode-0", "frontend-0",
+                                                              "prefill-0"]),
+])
+def test_router_and_full_media_graphs_answer_as_agg(tmp_path, image_server, agg_answers, target,
+                                                    config, replicas):
+    graph = Graph(target, config, tmp_path, frontend_args=ALLOW_LOOPBACK_IMAGES)
+    with graph.failing_loudly():
+        assert sorted(graph.health_urls()) == replicas
+        got = _answers(graph.url, _questions(image_server))
+        for name, (text, prompt_tokens, completion_tokens, stats) in got.items():
+            assert (text, prompt_tokens, completion_tokens) == agg_answers[name][:3], name
+            if "full_media" in target and name != "text only":  # decode got the image again
+                assert stats["request_bytes"] > 4096, (name, stats)
+            else:
+                assert 0 < stats["request_bytes"] < 4096, (name, stats)
+        graph.stop()
 
 
 def test_disagg_graph_on_etcd_and_nats_then_a_crash(tmp_path, image_server, agg_answers):
@@ -122,9 +145,9 @@ def test_disagg_graph_on_etcd_and_nats_then_a_crash(tmp_path, image_server, agg_
             with urllib.request.urlopen(servers.nats_monitor + "/connz", timeout=10) as r:
                 assert json.loads(r.read())["num_connections"] >= 3
             # a component dies: serve names it, stops the rest, exits 1, leaves nothing
-            os.kill(graph.pid_of("decode_worker"), signal.SIGKILL)
+            os.kill(graph.pid_of("decode"), signal.SIGKILL)
             graph.wait(expect=1)
-            assert any("component died: decode_worker-0" in line for line in graph.log), \
+            assert any("component died: decode-0" in line for line in graph.log), \
                 graph.tail()
     finally:
         servers.close()

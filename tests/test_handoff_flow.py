@@ -6,10 +6,12 @@ import time
 
 import pytest
 
-from components.decode_worker import DecodeWorker, FullMediaDecodeWorker
-from components.prefill_worker import PrefillWorker
+from mmhandoff.decode.worker import DecodeWorker, FullMediaDecodeWorker
+from mmhandoff.prefill.worker import PrefillWorker
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import agg_run, full_media_run, greedy, handoff_run
+
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="session")

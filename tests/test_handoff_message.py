@@ -7,13 +7,31 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from components.handoff import (
-    VERSION, DigestMismatch, EmptyHash, FeatureMismatch, FingerprintMismatch, Handoff,
-    HandoffError, KVRequired, MalformedHandoff, PayloadPresent, Sampling, Span,
-    SpanOutOfRange, SpanReachesFinalToken, UnsupportedRequest, UnsupportedVersion,
-    check_admission, decode_handoff, encode_handoff, sign,
+from mmhandoff.wire.handoff import (
+    VERSION,
+    DigestMismatch,
+    EmptyHash,
+    FeatureMismatch,
+    Features,
+    FingerprintMismatch,
+    Handoff,
+    HandoffError,
+    KVRequired,
+    MalformedHandoff,
+    PayloadPresent,
+    Sampling,
+    Span,
+    SpanOutOfRange,
+    SpanReachesFinalToken,
+    UnsupportedRequest,
+    UnsupportedVersion,
+    check_admission,
+    decode_handoff,
+    encode_handoff,
+    sign,
 )
-from components.handoff import Features
+
+pytestmark = pytest.mark.unit
 
 FP = "f" * 64
 

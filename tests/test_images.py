@@ -4,11 +4,20 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from components.images import (
-    HEAD_BYTES, ImageError, ImageLimits, ImageTooLarge, InvalidBase64, data_uri_bytes,
-    decode_image, load_image_ref, peek_data_uri,
+from mmhandoff.media.images import (
+    HEAD_BYTES,
+    ImageError,
+    ImageLimits,
+    ImageTooLarge,
+    InvalidBase64,
+    data_uri_bytes,
+    decode_image,
+    load_image_ref,
+    peek_data_uri,
 )
 from tests.conftest import data_uri, encode, make_image
+
+pytestmark = pytest.mark.unit
 
 
 def test_identity_is_the_pixels_not_the_container(tmp_path):

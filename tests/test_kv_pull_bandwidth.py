@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.kv_pull_bandwidth import _transport
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,12 +28,14 @@ UCX_TABLES = """\
 """
 
 
+@pytest.mark.unit
 def test_transport_is_the_peer_row_of_the_operation_asked_for():
     assert _transport(UCX_TABLES, "READ") == "0..inf software emulation tcp/lo"
     assert _transport(UCX_TABLES, "WRITE") == "0..inf zero-copy cuda_ipc/cuda"
     assert _transport("no tables here", "READ") == "(UCX reported no protocol line)"
 
 
+@pytest.mark.engine  # two processes moving bytes through NIXL
 def test_probe_moves_the_right_bytes_between_two_processes_on_cpu():
     out = subprocess.run(
         [sys.executable, "benchmarks/kv_pull_bandwidth.py", "--device", "cpu", "--blocks", "64",

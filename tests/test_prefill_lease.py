@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from vllm import SamplingParams
 
-from components.decode_worker import DecodeWorker, collect
-from components.prefill_worker import PrefillWorker
-from components.protocol import PrefillRequest
+from mmhandoff.decode.worker import DecodeWorker, collect
+from mmhandoff.prefill.worker import PrefillWorker
+from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, engine_cpu_s, make_image
 from tests.flows import greedy
+
+pytestmark = pytest.mark.engine
 
 
 def _usage_after_step(loop, engine, load, tag):

@@ -1,4 +1,8 @@
-from components.tiny_model import IMAGE_TOKENS, build_tiny_model, tree_digest
+import pytest
+
+from mmhandoff.models.tiny import IMAGE_TOKENS, build_tiny_model, tree_digest
+
+pytestmark = pytest.mark.unit
 
 
 def test_build_is_byte_identical(tmp_path):

@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import engine_cpu_s
 
+pytestmark = pytest.mark.engine
+
 
 def _params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
@@ -77,7 +79,7 @@ def test_nixl_agent_config_hook():
 
     from vllm.distributed.nixl_utils import NixlWrapper
 
-    from components.vllm_adapter.connector import progress_delay
+    from mmhandoff.vllm_adapter.connector import progress_delay
 
     api = sys.modules[NixlWrapper.__module__]
     src = inspect.getsource(api.nixl_agent.__init__)
@@ -97,7 +99,7 @@ def test_engine_compute_threads_stay_on_their_cores(engines):
 
     import psutil
 
-    from components.vllm_adapter import engine_core_pids
+    from mmhandoff.vllm_adapter import engine_core_pids
 
     for name, engine, cores in (("prefill", engines.prefill, {0}), ("decode", engines.decode, {1}),
                                 ("full", engines.full, {1})):
@@ -128,7 +130,7 @@ def test_shm_ring_reader_fields_used_by_the_spin_plugin():
 def test_plugin_setting(monkeypatch, module, default, example, bads):
     import importlib
 
-    plugin = importlib.import_module(f"components.vllm_adapter.{module}")
+    plugin = importlib.import_module(f"mmhandoff.vllm_adapter.{module}")
     read = plugin.spin_seconds if module == "spin" else plugin.poll_seconds
     monkeypatch.delenv(plugin.ENV, raising=False)
     assert read() == default
@@ -181,7 +183,7 @@ class _Core:
 
 
 def test_held_kv_paces_only_an_engine_whose_work_is_held_blocks():
-    from components.vllm_adapter.held_kv import only_held_blocks
+    from mmhandoff.vllm_adapter.held_kv import only_held_blocks
 
     assert only_held_blocks(_Core(unfinished=False, held=True))
     assert not only_held_blocks(_Core(unfinished=True, held=True))  # e.g. waiting for its pull
@@ -192,7 +194,7 @@ def test_held_kv_wait_ends_when_a_request_arrives():
     import threading
     import time
 
-    from components.vllm_adapter.held_kv import wait_for_input
+    from mmhandoff.vllm_adapter.held_kv import wait_for_input
 
     core = _Core(unfinished=False, held=True)
     t0 = time.monotonic()

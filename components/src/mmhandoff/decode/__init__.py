@@ -1,0 +1,1 @@
+"""The decode worker: Handoff -> token stream, never the media (worker)."""

@@ -1,0 +1,314 @@
+"""OpenAI-compatible HTTP frontend: checks the request, sends it to prefill, then its handoff to
+decode (or, in the agg graph, the request straight to the one worker), and streams the answer.
+It runs no model.
+
+Endpoints: POST /v1/chat/completions and /v1/completions (streaming with SSE, or not), GET
+/v1/models, /health, /metrics (Prometheus). Every refusal is a 4xx with an OpenAI-style body
+`{"error": {"message", "type", "code"}}` (mmhandoff.frontend.request), and nothing is started
+for it. When decode fails closed (its KV did not cover the images), the whole request is retried
+through prefill, at most `retries` times; then the client gets a 503 naming the cause.
+
+A client that goes away mid-answer cancels its handler (aiohttp's handler cancellation); the
+open Dynamo streams are closed with it, which stops the worker's handler and aborts the engine
+request, freeing its KV. If it goes away while its request is in prefill, prefill finishes and
+the handoff goes to decode, which is stopped at its first chunk: that frees prefill's blocks
+at once instead of at the end of their lease. Non-streaming answers carry an extra `mmhandoff`
+object with the handoff statistics (OpenAI clients ignore unknown fields). On SIGTERM it stops taking
+connections and lets the answers in flight finish (at most DRAIN_S), then exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import msgspec
+from aiohttp import web
+
+from mmhandoff.frontend.metrics import FrontendMetrics
+from mmhandoff.frontend.request import ApiError, FrontendLimits, RequestReader
+from mmhandoff.media.fetch import FetchPolicy
+from mmhandoff.serving.runtime import RemoteError, background, call, call_one
+from mmhandoff.wire.messages import PrefillAnswer
+
+__all__ = ["Frontend", "FrontendLimits", "ApiError"]
+
+DRAIN_S = 30.0
+
+
+@dataclass
+class Piece:
+    """One streamed piece of an answer; the last one has `finish`, `usage` and `stats`."""
+
+    text: str
+    finish: str | None = None
+    usage: dict | None = None
+    stats: dict | None = None
+
+
+class Frontend:
+    def __init__(self, prefill, decode, model: str, *, limits: FrontendLimits = FrontendLimits(),
+                 fetch_policy: FetchPolicy = FetchPolicy(), retries: int = 1) -> None:
+        # Dynamo clients. prefill=None: `decode` takes the request itself (the agg worker).
+        self.prefill, self.decode = prefill, decode
+        self.model, self.limits, self.retries = model, limits, retries
+        self.reader = RequestReader(model, limits, fetch_policy)
+        self.metrics = FrontendMetrics()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.limits.max_body_bytes,
+                              middlewares=[self._errors])
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        return app
+
+    def runner(self) -> web.AppRunner:
+        # handler_cancellation: a client that disconnects cancels its handler at once.
+        # On cleanup (SIGTERM) in-flight answers get DRAIN_S to finish; `serve` waits longer.
+        return web.AppRunner(self.app(), handler_cancellation=True, shutdown_timeout=DRAIN_S)
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            error = ApiError(413, f"request body is over {self.limits.max_body_bytes} bytes",
+                             "body_too_large")
+        except ApiError as e:
+            error = e
+        except (web.HTTPException, asyncio.CancelledError):
+            raise
+        except Exception as e:  # a bug or a component failing outside its typed errors
+            print(f"[frontend] {request.method} {request.path} failed: {e!r}", file=sys.stderr,
+                  flush=True)
+            error = ApiError(500, f"internal error: {type(e).__name__}", "internal",
+                             "server_error")
+        self.metrics.errors.labels(error.code).inc()
+        return web.json_response(
+            {"error": {"message": str(error), "type": error.kind, "code": error.code}},
+            status=error.status)
+
+    async def _health(self, request) -> web.Response:
+        """200 while every endpoint it calls has a live instance (Dynamo discovery), else 503."""
+        instances = {name: len(c.instance_ids()) for name, c in
+                     (("prefill", self.prefill), ("decode", self.decode)) if c is not None}
+        ok = all(instances.values())
+        return web.json_response({"status": "ok" if ok else "unavailable",
+                                  "instances": instances}, status=200 if ok else 503)
+
+    async def _metrics(self, request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _models(self, request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "owned_by": "mmhandoff", "created": 0}]})
+
+    # ---- the two generation APIs --------------------------------------------------------------
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat", self.reader.chat)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions", self.reader.completion)
+
+    async def _generate(self, request, api: str, read) -> web.StreamResponse:
+        self.metrics.requests.labels(api).inc()
+        t0 = time.perf_counter()
+        try:  # msgspec: a 200 KB body with an image parses in a third of json.loads' time
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError:
+            raise ApiError(400, "request body is not valid JSON", "invalid_json") from None
+        prefill_request = await read(body)
+        self.metrics.in_flight.inc()
+        try:
+            async with aclosing(self._answer(prefill_request, t0)) as pieces:
+                if body.get("stream"):
+                    return await self._stream(request, api, prefill_request.request_id, pieces)
+                text, last = "", Piece("")
+                async for last in pieces:
+                    text += last.text
+                return web.json_response(
+                    _whole(api, prefill_request.request_id, self.model, text, last),
+                    headers={"X-Request-Id": prefill_request.request_id})
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.disconnects.inc()  # the client left; aclosing aborted the request
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+
+    async def _stream(self, request, api, request_id, pieces) -> web.StreamResponse:
+        first = await anext(pieces)  # errors before the first token still get a 4xx/5xx
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache",
+                                               "X-Request-Id": request_id})
+        await response.prepare(request)
+        created = int(time.time())
+
+        async def send(event: dict) -> None:
+            await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+
+        try:
+            await send(_chunk(api, request_id, self.model, created, first))
+            async for piece in pieces:
+                await send(_chunk(api, request_id, self.model, created, piece))
+        except ApiError as e:  # after the first token the status is sent: say it in the stream
+            self.metrics.errors.labels(e.code).inc()
+            await send({"error": {"message": str(e), "type": e.kind, "code": e.code}})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _answer(self, prefill_request, t0: float) -> AsyncIterator[Piece]:
+        """The answer's pieces; retries through prefill when decode fails closed."""
+        for attempt in range(self.retries + 1):
+            sent, last_t = 0, None
+            try:
+                async with aclosing(self._decode(prefill_request)) as chunks:
+                    async for chunk in chunks:
+                        now = time.perf_counter()
+                        if last_t is None:
+                            self.metrics.ttft.observe(now - t0)
+                        else:
+                            self.metrics.itl.observe(now - last_t)
+                        last_t = now
+                        sent += len(chunk["token_ids"])
+                        piece = Piece(chunk["text"], chunk.get("finish_reason"))
+                        if piece.finish:
+                            piece.stats = stats = chunk.get("stats") or {}
+                            self.metrics.record_decode(stats)
+                            prompt = stats.get("prompt_tokens", -1)
+                            piece.usage = {"prompt_tokens": prompt, "completion_tokens": sent,
+                                           "total_tokens": prompt + sent}
+                            stats["retries"] = attempt
+                        yield piece
+                return
+            except RemoteError as e:
+                if e.code == "kv_coverage" and not sent and attempt < self.retries:
+                    self.metrics.retries.inc()
+                    continue
+                status = 503 if e.code in ("kv_coverage", "prefill_failed", "internal") else 400
+                raise ApiError(status, e.message, e.code,
+                               "server_error" if status == 503 else "invalid_request_error") from None
+
+    async def _decode(self, prefill_request) -> AsyncIterator[dict]:
+        """Decode's chunks; the last one's stats also carry prefill's (key `prefill`)."""
+        request, prefill_stats = msgspec.to_builtins(prefill_request), None
+        if self.prefill is not None:
+            prefilled = asyncio.ensure_future(call_one(self.prefill, request))
+            try:
+                raw = await asyncio.shield(prefilled)
+            except asyncio.CancelledError:  # the client left while prefill ran
+                background(self._release(prefilled))
+                raise
+            answer = msgspec.convert(raw, PrefillAnswer)
+            request, prefill_stats = answer.handoff, msgspec.to_builtins(answer.stats)
+        async with aclosing(call(self.decode, request)) as chunks:
+            async for chunk in chunks:
+                if chunk.get("stats") and prefill_stats:
+                    chunk["stats"]["prefill"] = prefill_stats
+                yield chunk
+
+
+    async def _release(self, prefilled: asyncio.Future) -> None:
+        """Prefill, once done, holds the blocks for decode until they are pulled or its lease
+        ends. For a request whose client is gone, hand them to decode and stop after the first
+        chunk: the pull (or, if decode aborts first, vLLM's notice to the producer) frees them
+        now instead of at the end of the lease."""
+        try:
+            answer = msgspec.convert(await prefilled, PrefillAnswer)
+            async with aclosing(call(self.decode, answer.handoff)) as chunks:
+                async for _ in chunks:
+                    break
+        except Exception as e:  # nothing to answer to: the lease frees the blocks in the end
+            print(f"[frontend] releasing an abandoned handoff failed: {e!r}", file=sys.stderr,
+                  flush=True)
+
+
+# ---- OpenAI response shapes ------------------------------------------------------------------
+def _whole(api: str, request_id: str, model: str, text: str, last: Piece) -> dict:
+    choice = ({"index": 0, "finish_reason": last.finish,
+               "message": {"role": "assistant", "content": text}} if api == "chat" else
+              {"index": 0, "finish_reason": last.finish, "text": text, "logprobs": None})
+    return {"id": request_id, "object": "chat.completion" if api == "chat" else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": last.usage, "mmhandoff": last.stats}
+
+
+def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece) -> dict:
+    if api == "chat":
+        choice = {"index": 0, "delta": {"content": piece.text} if piece.text else {},
+                  "finish_reason": piece.finish}
+    else:
+        choice = {"index": 0, "text": piece.text, "finish_reason": piece.finish, "logprobs": None}
+    chunk = {"id": request_id, "object": "chat.completion.chunk" if api == "chat" else
+             "text_completion", "created": created, "model": model, "choices": [choice]}
+    if piece.usage:
+        chunk["usage"] = piece.usage
+    return chunk
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mmhandoff.frontend`: serve HTTP once the workers are discoverable."""
+    import argparse
+    import signal
+
+    from mmhandoff.serving.runtime import client, run, runtime
+
+    p = argparse.ArgumentParser(prog="python -m mmhandoff.frontend")
+    p.add_argument("--namespace", default="mmhandoff")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default="tiny-llava", help="the model id clients ask for")
+    p.add_argument("--prefill", default="prefill.generate",
+                   help='prefill endpoint, or "none" when the decode endpoint takes the request '
+                        "itself (agg graph)")
+    p.add_argument("--decode", default="decode.generate",
+                   help="the endpoint that streams the answer: decode.generate, "
+                        "router.generate (disagg_router) or agg.generate (agg)")
+    p.add_argument("--allow-image-networks", default="",
+                   help="comma-separated CIDRs that image URLs may reach although not public, "
+                        'e.g. "127.0.0.0/8" (default: none)')
+    p.add_argument("--image-fetch-timeout-s", type=float, default=10.0)
+    p.add_argument("--retries", type=int, default=1, help="retries through prefill on fail-closed")
+    p.add_argument("--wait-s", type=float, default=600, help="how long to wait for the workers")
+    args = p.parse_args(argv)
+    try:
+        policy = FetchPolicy(allow_networks=FetchPolicy.networks(args.allow_image_networks),
+                             timeout_s=args.image_fetch_timeout_s)
+    except ValueError as e:
+        p.error(f"--allow-image-networks: {e}")
+
+    async def serve() -> int:
+        rt = runtime(asyncio.get_running_loop())
+        names = [n for n in (args.prefill, args.decode) if n != "none"]
+        print(f"[frontend] waiting for {', '.join(names)} in {args.namespace}", file=sys.stderr,
+              flush=True)
+        prefill = None if args.prefill == "none" else await client(
+            rt, f"{args.namespace}.{args.prefill}", args.wait_s)
+        decode = await client(rt, f"{args.namespace}.{args.decode}", args.wait_s)
+        frontend = Frontend(prefill, decode, args.model_name, fetch_policy=policy,
+                            retries=args.retries)
+        runner = frontend.runner()
+        await runner.setup()
+        await web.TCPSite(runner, args.host, args.port).start()
+        print(f"[frontend] ready on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()  # in-flight answers finish (DRAIN_S at most)
+        rt.shutdown()
+        return 0
+
+    return run(serve())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

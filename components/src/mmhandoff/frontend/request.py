@@ -1,0 +1,187 @@
+"""Reading an OpenAI request body into a PrefillRequest: every check the frontend makes before
+anything starts. Each refusal is an `ApiError` (status, OpenAI-style code); nothing is sent on.
+
+Messages are rebuilt from what they may hold (text parts and image_url parts), so a client cannot
+pass a worker-only form through (e.g. an image given as a server-side file path). Image URLs are
+fetched here, behind mmhandoff.media.fetch's guard, and travel on as data URIs: workers never
+open a connection for a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+from mmhandoff.media.fetch import FetchPolicy, ImageFetcher
+from mmhandoff.media.images import (
+    ImageError,
+    ImageLimits,
+    ImageTooLarge,
+    data_uri_bytes,
+    peek_data_uri,
+)
+from mmhandoff.wire.handoff import Sampling
+from mmhandoff.wire.messages import PrefillRequest
+
+
+@dataclass(frozen=True)
+class FrontendLimits:
+    max_body_bytes: int = 48 * 1024 * 1024
+    max_image_bytes: int = 32 * 1024 * 1024
+    max_image_pixels: int = 50_000_000
+    max_images: int = 8
+    max_tokens: int = 4096
+    max_prompt_chars: int = 1_000_000
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.code, self.kind = status, code, kind
+
+
+def _probe(data: bytes) -> tuple[int, int, str | None] | None:
+    """Width, height and format from an image's header (pixels are not decoded), or None."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return *image.size, image.format
+    except (UnidentifiedImageError, OSError):
+        return None
+
+
+def _image_error(e: ImageError) -> ApiError:
+    return ApiError(413 if isinstance(e, ImageTooLarge) else 400, str(e), e.code)
+
+
+@dataclass
+class RequestReader:
+    model: str
+    limits: FrontendLimits = field(default_factory=FrontendLimits)
+    fetch_policy: FetchPolicy = field(default_factory=FetchPolicy)
+
+    def __post_init__(self) -> None:  # one image-size limit, whatever way the image comes
+        self.fetcher = ImageFetcher(replace(self.fetch_policy,
+                                            max_bytes=self.limits.max_image_bytes))
+
+    # ---- the two request kinds ----------------------------------------------------------------
+    async def chat(self, body: Any) -> PrefillRequest:
+        self._check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", "invalid_messages")
+        rebuilt, urls = [], []
+        for message in messages:
+            rebuilt.append(self._message(message, urls))
+        if len(urls) > self.limits.max_images:
+            raise ApiError(400, f"{len(urls)} images; at most {self.limits.max_images} per "
+                                "request", "too_many_images")
+        data = await asyncio.gather(*(self._image(u) for u in urls))
+        uris = iter(data)
+        for message in rebuilt:  # image parts now carry checked data URIs
+            for part in message["content"] if isinstance(message["content"], list) else ():
+                if part["type"] == "image_url":
+                    part["image_url"] = {"url": next(uris)}
+        return PrefillRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=rebuilt,
+                              sampling=self._sampling(body))
+
+    async def completion(self, body: Any) -> PrefillRequest:
+        self._check_model(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "prompt must be one non-empty string (images: use "
+                                "/v1/chat/completions)", "invalid_prompt")
+        if len(prompt) > self.limits.max_prompt_chars:
+            raise ApiError(400, f"prompt is over {self.limits.max_prompt_chars} characters",
+                           "prompt_too_long")
+        return PrefillRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt=prompt,
+                              sampling=self._sampling(body))
+
+    # ---- pieces -------------------------------------------------------------------------------
+    def _check_model(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object", "invalid_request")
+        if body.get("model") != self.model:
+            raise ApiError(404, f"model {body.get('model')!r} does not exist; this server serves "
+                                f"{self.model!r}", "model_not_found")
+
+    def _message(self, message: Any, urls: list[str]) -> dict:
+        if not isinstance(message, dict) or message.get("role") not in (
+                "system", "user", "assistant"):
+            raise ApiError(400, "each message needs a role: system, user or assistant",
+                           "invalid_messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            return {"role": message["role"], "content": content}
+        if not isinstance(content, list):
+            raise ApiError(400, "message content must be a string or a list of parts",
+                           "invalid_messages")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise ApiError(400, "image_url needs a url", "invalid_image")
+                urls.append(url)
+                parts.append({"type": "image_url"})
+            else:
+                raise ApiError(400, f"unsupported content part {kind!r}: text and image_url are "
+                                    "supported", "invalid_content_part")
+        return {"role": message["role"], "content": parts}
+
+    async def _image(self, url: str) -> str:
+        """A checked data URI for an image given as a data URI or an http(s) URL."""
+        limits = ImageLimits(max_bytes=self.limits.max_image_bytes)
+        try:
+            if url.startswith("data:"):  # prefill decodes it all: here the header is enough
+                size, data = peek_data_uri(url, limits)
+            elif url.startswith(("http://", "https://")):
+                data = await self.fetcher.fetch(url)
+                size = len(data)
+            else:
+                raise ApiError(400, "image_url must be a data URI or an http(s) URL",
+                               "invalid_image_url")
+            header = _probe(data)
+            if header is None and len(data) < size:  # a header longer than the head we took
+                header = _probe(data_uri_bytes(url, limits))
+        except ImageError as e:
+            raise _image_error(e) from None
+        if header is None:
+            raise ApiError(400, "image data is not a readable image", "invalid_image")
+        width, height, fmt = header
+        if width * height > self.limits.max_image_pixels:
+            raise ApiError(413, f"image is {width}x{height} pixels; the limit is "
+                                f"{self.limits.max_image_pixels}", "image_too_large")
+        if url.startswith("data:"):
+            return url
+        mime = Image.MIME.get(fmt or "", "application/octet-stream")
+        return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+    def _sampling(self, body: dict) -> Sampling:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = 16 if max_tokens is None else max_tokens
+        if type(max_tokens) is not int or not 1 <= max_tokens <= self.limits.max_tokens:
+            raise ApiError(400, f"max_tokens must be an integer in [1, {self.limits.max_tokens}]",
+                           "invalid_max_tokens")
+        seed, ignore_eos = body.get("seed"), body.get("ignore_eos", False)  # vLLM's extension
+        if seed is not None and type(seed) is not int or type(ignore_eos) is not bool:
+            raise ApiError(400, "seed must be an integer and ignore_eos a boolean",
+                           "invalid_sampling")
+        try:
+            return Sampling(max_tokens=max_tokens, temperature=float(body.get("temperature", 1.0)),
+                            top_p=float(body.get("top_p", 1.0)), seed=seed, ignore_eos=ignore_eos)
+        except (TypeError, ValueError):
+            raise ApiError(400, "temperature and top_p must be numbers",
+                           "invalid_sampling") from None

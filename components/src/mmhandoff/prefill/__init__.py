@@ -1,0 +1,1 @@
+"""The encode/prefill worker: chat request with images -> Handoff (worker)."""

@@ -1,0 +1,7 @@
+"""`python -m mmhandoff.prefill`: the encode/prefill worker."""
+
+from mmhandoff.prefill.worker import main
+
+# Guarded: vLLM's engine processes are spawned, and a spawned child imports this module again.
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Picks the decode replica (router)."""

@@ -1,0 +1,299 @@
+"""`mmhandoff serve graphs.<graph>:<Component> -f configs/<graph>.yaml`: run a graph on one host.
+
+Starts every component reachable from the named one (callees first), each replica as its own
+`python -m mmhandoff.<module>` process in its own process group, with the YAML's arguments and
+environment; prefixes their output with `[module-i]`; shows which replicas are still starting
+until every one reports ready (workers and the router on Dynamo's system status server, at a free
+`DYN_SYSTEM_PORT` each; the frontend on its /health). On Ctrl-C or SIGTERM, and when any
+component dies (its name and exit code are printed; 3 means its engine died), it stops them
+callers first, each stage after the previous one exited: the frontend finishes the requests it
+has in flight while the workers still serve them, then the workers go (SIGTERM to each replica's
+process group, a dead replica's included, since its engine processes outlive it; serve waits for
+the group to empty, so they and Python's resource tracker unlink their shared memory; SIGKILL to
+whatever is left after a grace period). It exits 0 on a requested stop, 1 when a component died
+(no restart: a graph that lost a part says so instead of limping on). Discovery is a fresh file
+folder per run and requests go over TCP, unless the YAML names `etcd: <url>` (discovery through
+etcd) and/or `nats: <url>` (requests over NATS). NIXL side-channel ports are picked free per
+replica.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from mmhandoff.serving.graph import Component
+from mmhandoff.serving.health import ENGINE_DEAD, free_system_port
+
+GRACE_S = 60.0  # for the whole stop: long enough for in-flight answers to finish
+
+
+class GraphError(ValueError):
+    pass
+
+
+def load_graph(target: str, cwd: str | None = None):
+    """The components `target` ("graphs.<graph>:<Component>") reaches, callees first.
+
+    Like `python -m`, the working directory comes first: a user's own `graphs/<graph>.py` (or a
+    checkout's) is found there. A `graphs.<graph>` that is not there is the built-in
+    `mmhandoff.graphs.<graph>`. Any other module path is imported as it is."""
+    module_name, _, attr = target.partition(":")
+    if not attr or not module_name:
+        raise GraphError(f"expected graphs.<graph>:<Component>, got {target!r}")
+    cwd = cwd or os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = _import_graph(module_name)
+        component = getattr(module, attr)
+    except (ImportError, AttributeError) as e:
+        raise GraphError(f"cannot load {target!r}: {e}") from None
+    if not isinstance(component, Component):
+        raise GraphError(f"{target!r} is a {type(component).__name__}, not a graph Component")
+    return component.reachable()
+
+
+def _import_graph(module_name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        first, _, rest = module_name.partition(".")
+        # only "graphs" or "graphs.<graph>" itself missing falls back, not an import inside it
+        if first != "graphs" or not rest or e.name not in ("graphs", module_name):
+            raise
+    return importlib.import_module(f"mmhandoff.graphs.{rest}")
+
+
+def load_config(path: str) -> dict:
+    import yaml
+
+    try:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise GraphError(f"cannot read config {path!r}: {e}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("components", {}), dict):
+        raise GraphError(f"{path}: expected a mapping with a 'components' mapping")
+    for name, spec in config.get("components", {}).items():
+        spec = spec or {}
+        replicas = spec.get("replicas", 1)
+        if not isinstance(replicas, int) or replicas < 1:
+            raise GraphError(f"{path}: {name}.replicas must be an integer >= 1")
+        if not isinstance(spec.get("args", []), list):
+            raise GraphError(f"{path}: {name}.args must be a list")
+    return config
+
+
+def check_config(components, config: dict, config_path: str, target: str) -> None:
+    """The YAML configures only components the graph reaches, and wires nothing: endpoints come
+    from the graph's links alone."""
+    unknown = set(config.get("components", {})) - {c.module for c in components}
+    if unknown:
+        raise GraphError(f"{config_path} configures {sorted(unknown)}, which {target} does not "
+                         f"reach ({', '.join(c.module for c in components)})")
+    for c in components:
+        args = [str(a) for a in ((config.get("components") or {}).get(c.module) or {})
+                .get("args", [])]
+        for role in c.wiring():
+            if any(a == f"--{role}" or a.startswith(f"--{role}=") for a in args):
+                raise GraphError(f"{config_path}: {c.module}.args sets --{role}, which the "
+                                 f"graph wires from its links ({target}); remove it")
+
+
+def runtime_env(config: dict) -> dict[str, str]:
+    """Where the components find each other: files (default), or the YAML's etcd and NATS."""
+    env = {}
+    if config.get("etcd"):
+        env.update(ETCD_ENDPOINTS=str(config["etcd"]), MMHANDOFF_DISCOVERY="etcd")
+    if config.get("nats"):
+        env.update(NATS_SERVER=str(config["nats"]), MMHANDOFF_REQUEST_PLANE="nats")
+    return env
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _arg(args: list[str], flag: str, default: str) -> str:
+    return args[args.index(flag) + 1] if flag in args[:-1] else default
+
+
+@dataclass
+class Replica:
+    name: str  # module-i
+    module: str
+    proc: subprocess.Popen
+    health_url: str  # 200 once ready
+
+
+class Supervisor:
+    def __init__(self, components, config: dict, port: int | None) -> None:
+        self.components, self.config = components, config
+        self.port_override = port
+        self.replicas: list[Replica] = []
+        self.stopping = False
+        self.run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-run-"))
+
+    def command(self, component) -> list[str]:
+        spec = self.config.get("components", {}).get(component.module) or {}
+        args = [str(a) for a in spec.get("args", [])]
+        args += ["--namespace", str(self.config.get("namespace", "mmhandoff"))]
+        if component.module == "frontend" and self.port_override:
+            args += ["--port", str(self.port_override)]
+        if component.engine:
+            if self.config.get("model"):
+                args += ["--model", str(self.config["model"])]
+            args += ["--nixl-port", str(_port())]
+        for role, endpoint in component.wiring().items():  # the graph's links, nothing else
+            args += [f"--{role}", endpoint or "none"]
+        return [sys.executable, "-m", f"mmhandoff.{component.module}", *args]
+
+    def start(self) -> None:
+        env = dict(os.environ, DYN_FILE_KV=str(self.run_dir / "discovery"),
+                   **runtime_env(self.config),
+                   **{k: str(v) for k, v in (self.config.get("env") or {}).items()})
+        for component in self.components:
+            spec = self.config.get("components", {}).get(component.module) or {}
+            for i in range(int(spec.get("replicas", 1))):
+                name = f"{component.module}-{i}"
+                own = {k: str(v) for k, v in (spec.get("env") or {}).items()}
+                if component.module == "frontend":
+                    health = self.frontend_url() + "/health"
+                else:  # Dynamo's system status server: /health is 200 once the worker is ready.
+                    # One port per replica, always serve's choice (a YAML value would collide).
+                    own["DYN_SYSTEM_PORT"] = str(free_system_port())
+                    health = f"http://127.0.0.1:{own['DYN_SYSTEM_PORT']}/health"
+                proc = subprocess.Popen(
+                    self.command(component), env={**env, **own},
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    start_new_session=True)
+                self.replicas.append(Replica(name, component.module, proc, health))
+                threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
+                print(f"[serve] started {name} (pid {proc.pid}, health {health})", flush=True)
+
+    def _relay(self, name: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+
+    def frontend_url(self) -> str:
+        spec = self.config.get("components", {}).get("frontend") or {}
+        port = self.port_override or _arg([str(a) for a in spec.get("args", [])], "--port", "8000")
+        return f"http://127.0.0.1:{port}"
+
+    def wait_ready(self, stop_requested, timeout_s: float = 900) -> bool:
+        t0, last, waiting = time.monotonic(), 0.0, list(self.replicas)
+        while time.monotonic() - t0 < timeout_s and not self.dead() and not stop_requested():
+            waiting = [r for r in waiting if not _answers(r.health_url)]
+            if not waiting:
+                print(f"[serve] ready: {self.frontend_url()}/v1 "
+                      f"({time.monotonic() - t0:.0f} s)", flush=True)
+                return True
+            if time.monotonic() - last > 15:
+                last = time.monotonic()
+                print(f"[serve] starting ... {time.monotonic() - t0:.0f} s; waiting for "
+                      f"{', '.join(r.name for r in waiting)}", flush=True)
+            time.sleep(0.5)
+        return False
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(r.name, r.proc.returncode) for r in self.replicas if r.proc.poll() is not None]
+
+    def stop(self) -> None:
+        """Callers first (the reverse of the start order), one component at a time: each stage
+        drains before the components it calls go away."""
+        self.stopping = True
+        deadline = time.monotonic() + GRACE_S
+        stages = [[r for r in self.replicas if r.module == c.module]
+                  for c in reversed(self.components)]
+        for stage in stages:
+            for r in stage:  # also a replica that died: its engine processes may live on
+                _signal_group(r.proc.pid, signal.SIGTERM)
+            for r in stage:
+                try:
+                    r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    print(f"[serve] {r.name} did not stop in {GRACE_S:.0f} s: killing it",
+                          flush=True)
+                # what it started (engine processes, Python's resource tracker) unlinks its
+                # shared memory on the way out: let it, instead of killing it half-way
+                while _group_alive(r.proc.pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        for r in self.replicas:  # the whole group: engine cores and workers included
+            _signal_group(r.proc.pid, signal.SIGKILL)
+            r.proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (a zombie does not: its parent reaps it)."""
+    import psutil
+
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def serve(target: str, config_path: str, port: int | None = None) -> int:
+    components = load_graph(target)
+    config = load_config(config_path)
+    check_config(components, config, config_path, target)
+    sup = Supervisor(components, config, port)
+    # The handler only assigns: one that takes a lock (threading.Event.set does) deadlocks when a
+    # second signal arrives while the first handler holds it (seen: SIGINT twice, serve hung).
+    stop = {"requested": False}
+
+    def requested() -> bool:
+        return stop["requested"]
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.update(requested=True))
+    print(f"[serve] graph: {' -> '.join(c.module for c in reversed(components))}", flush=True)
+    sup.start()
+    code = 0
+    try:
+        if not sup.wait_ready(requested) and not requested():
+            code = 1
+            print(f"[serve] not ready: {sup.dead() or 'timed out'}", flush=True)
+        while code == 0 and not requested():
+            time.sleep(0.2)
+            if dead := sup.dead():
+                print("[serve] component died: " + ", ".join(
+                    f"{n} (exit {rc}{', its engine died' if rc == ENGINE_DEAD else ''})"
+                    for n, rc in dead) + "; stopping the graph", flush=True)
+                code = 1
+    finally:
+        print("[serve] stopping ...", flush=True)
+        sup.stop()
+        print("[serve] stopped", flush=True)
+    return code

@@ -1,0 +1,186 @@
+"""Building vLLM engines for each role of the graph.
+
+Roles:
+- "agg": the whole VLM, no KV transfer (the baseline, and the parity reference).
+- "prefill": the whole VLM; NixlConnector as KV producer (prefill answers with
+  `kv_transfer_params` that name its blocks, and holds them until pulled or the lease ends).
+- "decode": NixlConnector as KV consumer; no vision tower (`limit_mm_per_prompt` image 0 makes
+  vLLM skip building it), no receiver cache, the fail-closed scheduler, KV load failures fail.
+- "full_media_decode": a KV consumer with the whole VLM, for the benchmark arm where decode
+  receives the images again (what P/D stacks do today).
+
+Engines run their core in a spawned process that inherits the environment at start: the CPU
+binding, KV cache size and NIXL side-channel port are set per engine around its construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+Role = Literal["agg", "prefill", "decode", "full_media_decode"]
+ROLES: tuple[Role, ...] = ("agg", "prefill", "decode", "full_media_decode")
+
+FAIL_CLOSED_SCHEDULER = "mmhandoff.vllm_adapter.scheduler.FailClosedScheduler"
+CONNECTOR = "mmhandoff.vllm_adapter.connector.MMHandoffNixlConnector"
+
+
+@dataclass
+class EngineSpec:
+    """What a role needs to start one engine; everything else takes vLLM's defaults."""
+
+    model: str
+    role: Role
+    block_size: int = 32  # vLLM CPU attention needs a multiple of 32
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    enforce_eager: bool = True
+    dtype: str = "auto"
+    seed: int = 0
+    kv_cache_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
+    num_gpu_blocks_override: int | None = None  # a tiny cache forces preemption in tests
+    cpu_cores: str | None = None  # e.g. "0" or "0-1" (VLLM_CPU_OMP_THREADS_BIND)
+    nixl_port: int | None = None  # the NIXL side channel (handshake) port of this engine
+    nixl_host: str = "127.0.0.1"
+    nixl_threads: int = 0  # extra UCX worker threads (vLLM's default is 4)
+    # NIXL's progress thread polls back to back by default and burns a core (connector.py);
+    # it sleeps this long between polls instead. 0: NIXL's own behaviour.
+    nixl_progress_delay_us: int = 100
+    kv_buffer_device: str | None = None  # "cpu" on CPU machines, None = vLLM's default
+    kv_lease_s: int | None = None  # how long prefill holds unpulled blocks
+    kv_events_endpoint: str | None = None  # ZMQ endpoint for KV events ("tcp://*:port": bind)
+    connector_module: str | None = None  # default: CONNECTOR; tests inject faults with another
+    gpu_memory_utilization: float | None = None  # GPU: this engine's share (two on one GPU)
+    # Every engine of a graph must derive the same first block hash, or prefill, decode and the
+    # router disagree on every block: vLLM 0.26 draws it from os.urandom unless PYTHONHASHSEED
+    # is set (0.31 uses a fixed default). Set explicitly on every version.
+    block_hash_seed: int = 0
+    # GPU: let UCX serve NIXL's READ (decode's pull) through cuda_ipc. UCX turns cuda_ipc's GET
+    # off when it sees no active NVLink (one GPU, PCIe-only hosts), and the pull then falls back
+    # to "software emulation" over TCP: 0.6 GB/s instead of 17 GB/s on an H200 (docs/gpu.md).
+    # False leaves UCX's own choice ("auto").
+    cuda_ipc_get: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs as is
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown engine role {self.role!r}; expected one of {ROLES}")
+        if not 0 <= self.block_hash_seed <= 2**32 - 1:  # what PYTHONHASHSEED accepts
+            raise ValueError(
+                f"block_hash_seed must be in [0, 2**32 - 1], got {self.block_hash_seed}")
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def engine_args(spec: EngineSpec):
+    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kw: dict[str, Any] = dict(
+        model=spec.model,
+        tokenizer=spec.model,
+        block_size=spec.block_size,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
+        enforce_eager=spec.enforce_eager,
+        dtype=spec.dtype,
+        seed=spec.seed,
+        enable_prefix_caching=True,
+        disable_log_stats=False,  # per-request prefill stats: local vs external (pulled) tokens
+    )
+    if spec.num_gpu_blocks_override:
+        kw["num_gpu_blocks_override"] = spec.num_gpu_blocks_override
+    if spec.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = spec.gpu_memory_utilization
+    if spec.role != "agg":
+        extra: dict[str, Any] = {
+            "num_threads": spec.nixl_threads, "backends": ["UCX"],
+            "progress_delay_us": spec.nixl_progress_delay_us,
+        }
+        if spec.kv_lease_s is not None:
+            extra["kv_lease_duration"] = spec.kv_lease_s
+        module = spec.connector_module or CONNECTOR
+        connector = dict(
+            kv_connector=module.rsplit(".", 1)[1],
+            kv_connector_module_path=module.rsplit(".", 1)[0],
+            kv_role="kv_producer" if spec.role == "prefill" else "kv_consumer",
+            kv_load_failure_policy="fail",
+            kv_connector_extra_config=extra,
+        )
+        if spec.kv_buffer_device or on_cpu():
+            connector["kv_buffer_device"] = spec.kv_buffer_device or "cpu"
+        kw["kv_transfer_config"] = KVTransferConfig(**connector)
+    if spec.role == "decode":
+        kw["limit_mm_per_prompt"] = {"image": 0}
+        kw["mm_processor_cache_gb"] = 0
+        kw["scheduler_cls"] = FAIL_CLOSED_SCHEDULER
+    if spec.kv_events_endpoint:
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=spec.kv_events_endpoint,
+            topic="kv-events",
+        )
+    kw.update(spec.extra)
+    return AsyncEngineArgs(**kw)
+
+
+def engine_env(spec: EngineSpec) -> dict[str, str]:
+    """Environment the engine core process must start with."""
+    env = {"PYTHONHASHSEED": str(spec.block_hash_seed)}
+    if on_cpu():
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
+        if spec.cpu_cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
+    if spec.role != "agg":
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.nixl_host
+        if spec.nixl_port is not None:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_port)
+        if not on_cpu():
+            env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y" if spec.cuda_ipc_get else "auto"
+    return env
+
+
+@contextlib.contextmanager
+def _patched_environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def start_engine(spec: EngineSpec, load=None):
+    """Start an AsyncLLM for `spec` (blocks until its core is up, ~25 s for the tiny model on CPU).
+    `load`, an EngineLoad, is kept up to date with the engine's scheduler stats."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    loggers = [load.logger_factory()] if load is not None else None
+    with _patched_environ(engine_env(spec)):
+        return AsyncLLM.from_engine_args(engine_args(spec), stat_loggers=loggers)
+
+
+def engine_core_pids(engine) -> list[int]:
+    """The process ids of an AsyncLLM's engine cores (each core's model workers are its
+    children): for measuring an engine's CPU and checking its placement."""
+    return [p.pid for p in engine.engine_core.resources.engine_manager.processes]
+
+
+def engine_dead_cause(engine) -> str | None:
+    """Why an AsyncLLM can no longer serve (its core process died, its output loop failed), or
+    None while it can. A flag vLLM's own monitor thread keeps: free to read."""
+    if not engine.errored:
+        return None
+    task = engine.output_handler
+    if task is not None and task.done() and not task.cancelled() and task.exception():
+        return f"{type(task.exception()).__name__}: {task.exception()}"
+    return "engine core process is gone"

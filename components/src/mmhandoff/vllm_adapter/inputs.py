@@ -1,0 +1,118 @@
+"""Engine inputs and outputs on both sides of the handoff.
+
+Prefill: render a prompt with images through the engine's own renderer (so token ids, placeholder
+ranges and identifiers are exactly what the engine uses), with each image's identifier set to its
+content hash.
+
+Decode: a metadata-only request. vLLM's input processor builds and validates the token-only
+request (sampling defaults, eos, vocabulary range); the image features are then attached with no
+data. This path skips the processor's encoder-capacity check on purpose: the decode engine has no
+encoder, and a KV-only item never reaches one (the fail-closed scheduler guarantees it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.inputs import tokens_input
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+from mmhandoff.vllm_adapter.scheduler import KV_COVERAGE_STOP_REASON, KV_STATS_KEY
+from mmhandoff.wire.handoff import Features, Handoff, Sampling, Span
+
+
+@dataclass
+class RenderedPrompt:
+    engine_input: Any  # vLLM's EngineInput, passed to `generate` as is
+    token_ids: list[int]
+    features: Features
+
+
+async def render_prompt(engine, prompt: str, images: list, identifiers: list[str]) -> RenderedPrompt:
+    item: dict[str, Any] = {"prompt": prompt}
+    if images:
+        item["multi_modal_data"] = {"image": images}
+        item["multi_modal_uuids"] = {"image": identifiers}
+    (engine_input,) = await engine.renderer.render_cmpl_async([item])
+    token_ids = list(engine_input["prompt_token_ids"])
+    hashes = {m: list(v) for m, v in (engine_input.get("mm_hashes") or {}).items()}
+    spans = {
+        m: [Span(offset=r.offset, length=r.length,
+                 is_embed=None if r.is_embed is None else [bool(x) for x in r.is_embed.tolist()])
+            for r in ranges]
+        for m, ranges in (engine_input.get("mm_placeholders") or {}).items()
+    }
+    return RenderedPrompt(engine_input, token_ids, Features(mm_hashes=hashes, mm_placeholders=spans))
+
+
+def sampling_params(s: Sampling, *, max_tokens: int | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> SamplingParams:
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+    return SamplingParams(
+        max_tokens=s.max_tokens if max_tokens is None else max_tokens,
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs, extra_args=extra,
+    )
+
+
+def kv_only_request(engine, h: Handoff, request_id: str, supported_tasks: tuple):
+    """The decode engine's request for `h`: token ids plus data-less image features.
+    `supported_tasks` is `await engine.get_supported_tasks()` (asked once: it is an engine RPC)."""
+    params = sampling_params(h.sampling, kv_transfer_params=dict(h.kv_transfer_params))
+    prompt = tokens_input(list(h.token_ids))
+    if h.cache_salt is not None:
+        prompt["cache_salt"] = h.cache_salt
+    request = engine.input_processor.process_inputs(
+        request_id, prompt, params, supported_tasks=supported_tasks)
+    request.mm_features = [
+        MultiModalFeatureSpec(
+            data=None, modality=modality, identifier=digest, mm_hash=digest,
+            mm_position=PlaceholderRange(offset=span.offset, length=span.length,
+                                         is_embed=_mask(span.is_embed)),
+        )
+        for modality, digest, span in h.items()
+    ]
+    return request
+
+
+def _mask(is_embed: list[bool] | None):
+    if is_embed is None:
+        return None
+    import torch
+
+    return torch.tensor(is_embed, dtype=torch.bool)
+
+
+def model_fingerprint(engine) -> str:
+    """Identity of what an engine computes: architecture config, tokenizer vocabulary, dtype.
+    Prefill and decode must agree on it, or the pulled KV means nothing to decode."""
+    mc = engine.model_config
+    config = {k: v for k, v in mc.hf_config.to_dict().items() if k != "_name_or_path"}
+    tokenizer = engine.renderer.get_tokenizer() if hasattr(engine.renderer, "get_tokenizer") else None
+    vocab = sorted(tokenizer.get_vocab().items()) if tokenizer is not None else []
+    blob = json.dumps(
+        {"config": config, "dtype": str(mc.dtype), "vocab": vocab},
+        sort_keys=True, default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def kv_coverage_cause(output) -> str | None:
+    """The fail-closed scheduler's cause if `output` (a RequestOutput) ended on it."""
+    completion = output.outputs[0] if output.outputs else None
+    if completion is None or completion.finish_reason != "error":
+        return None
+    reason = completion.stop_reason
+    if isinstance(reason, str) and reason.startswith(KV_COVERAGE_STOP_REASON):
+        return reason[len(KV_COVERAGE_STOP_REASON):].strip()
+    return "kv_load_failed: the KV transfer failed or its blocks were unavailable"
+
+
+def kv_stats(output) -> dict[str, int]:
+    """Where a finished KV-only request's prompt came from (see the scheduler's KV_STATS_KEY)."""
+    return dict((output.kv_transfer_params or {}).get(KV_STATS_KEY) or {})

@@ -1,0 +1,1 @@
+"""Every message between components: the Handoff (handoff) and the rest (messages)."""

@@ -1,0 +1,70 @@
+"""Wire types between components, besides the Handoff itself (mmhandoff.wire.handoff)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from mmhandoff.wire.handoff import Sampling
+
+
+class PrefillRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Chat messages in OpenAI form, or (completions) a raw `prompt` with no chat template and
+    no images. An image part is `{"type": "image_url", "image_url": {"url": "data:image/...;
+    base64,..."}}`; in-process callers may also give `{"type": "image", "image": "<local path>"}`
+    (the network endpoint takes data URIs only)."""
+
+    request_id: str
+    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    prompt: str | None = None
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    cache_salt: str | None = None
+
+
+class PrefillStats(msgspec.Struct, kw_only=True):
+    images: int
+    image_bytes: int
+    prompt_tokens: int
+    prepare_ms: float  # image decode + hashing + rendering
+    prefill_ms: float
+
+
+class PrefillAnswer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What prefill.generate answers. `handoff` is the message for decode in its builtin form (a
+    Handoff, or in the full-media arm a FullMediaRequest): the frontend passes it on untouched
+    and decode checks it strictly."""
+
+    handoff: dict[str, Any]
+    stats: PrefillStats
+
+
+class FullMediaRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The benchmark arm "decode receives the media": the rendered prompt text and the original
+    image bytes go to decode, which decodes and re-processes them (what P/D stacks do today)."""
+
+    request_id: str
+    prompt: str
+    images: list[bytes]
+    kv_transfer_params: dict[str, Any]
+    sampling: Sampling
+
+
+class DecodeStats(msgspec.Struct, kw_only=True):
+    request_bytes: int  # what decode received
+    prompt_tokens: int = -1
+    prepare_ms: float  # decode-side input preparation before the engine got the request
+    kv_tokens_local: int = -1  # prompt tokens found in decode's own prefix cache
+    kv_tokens_pulled: int = -1  # prompt tokens pulled from prefill over NIXL
+    kv_positions_covered: int = -1  # prompt positions served from KV at first compute
+    ttft_ms: float = 0.0
+
+
+class DecodeChunk(msgspec.Struct, kw_only=True):
+    """One streamed piece of a decode answer; the last one has `finish_reason` and `stats`."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stats: DecodeStats | None = None

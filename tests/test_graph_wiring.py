@@ -1,0 +1,82 @@
+"""The graph is the one source of wiring: `serve` tells each component its callees' endpoints
+from the graph's links, and a YAML that tries to wire is refused."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+
+from mmhandoff.serving.supervisor import (
+    GraphError,
+    Supervisor,
+    check_config,
+    load_graph,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _by_module(target: str) -> dict:
+    return {c.module: c for c in load_graph(target)}
+
+
+@pytest.mark.parametrize("target, frontend, others", [
+    ("graphs.disagg:Frontend", {"prefill": "prefill.generate", "decode": "decode.generate"}, {}),
+    ("graphs.full_media:Frontend",
+     {"prefill": "prefill.generate", "decode": "decode.generate"}, {}),
+    ("graphs.agg:Frontend", {"prefill": None, "decode": "agg.generate"}, {}),
+    # prefill's handoff goes through the router, which sends it on to decode
+    ("graphs.disagg_router:Frontend", {"prefill": "prefill.generate", "decode": "router.generate"},
+     {"router": {"decode": "decode.generate"}}),
+])
+def test_each_component_is_wired_to_the_nearest_callee_serving_each_role(
+        target, frontend, others):
+    graph = _by_module(target)
+    assert graph["frontend"].wiring() == frontend
+    for module, wiring in others.items():
+        assert graph[module].wiring() == wiring
+    for module in ("prefill", "decode", "agg"):  # workers call nobody
+        assert module not in graph or graph[module].wiring() == {}
+
+
+def _commands(target: str, config_path: str) -> dict[str, list[str]]:
+    config = yaml.safe_load(open(config_path))
+    components = load_graph(target)
+    check_config(components, config, config_path, target)
+    sup = Supervisor(components, config, port=None)
+    try:
+        return {c.module: sup.command(c) for c in components}
+    finally:
+        shutil.rmtree(sup.run_dir, ignore_errors=True)
+
+
+def _flag(command: list[str], flag: str) -> str:
+    assert command.count(flag) == 1, command
+    return command[command.index(flag) + 1]
+
+
+def test_serve_passes_the_wiring_as_flags():
+    agg = _commands("graphs.agg:Frontend", "configs/agg.yaml")["frontend"]
+    assert (_flag(agg, "--prefill"), _flag(agg, "--decode")) == ("none", "agg.generate")
+    routed = _commands("graphs.disagg_router:Frontend", "configs/disagg_router.yaml")
+    assert _flag(routed["frontend"], "--decode") == "router.generate"
+    assert _flag(routed["router"], "--decode") == "decode.generate"
+    assert routed["decode"][1:3] == ["-m", "mmhandoff.decode"]
+
+
+def test_the_router_graph_with_the_plain_config_still_goes_through_the_router():
+    # a YAML used to carry "--decode router.generate": with disagg's YAML the router was skipped
+    routed = _commands("graphs.disagg_router:Frontend", "configs/disagg.yaml")
+    assert _flag(routed["frontend"], "--decode") == "router.generate"
+
+
+def test_a_config_that_wires_is_refused(tmp_path):
+    config = yaml.safe_load(open("configs/disagg.yaml"))
+    config["components"]["frontend"]["args"] += ["--decode", "decode.generate"]
+    with pytest.raises(GraphError, match="--decode, which the graph wires"):
+        check_config(load_graph("graphs.disagg:Frontend"), config, "x.yaml", "graphs.disagg")
+    config["components"]["frontend"]["args"][-2:] = ["--prefill=none"]
+    with pytest.raises(GraphError, match="--prefill"):
+        check_config(load_graph("graphs.disagg:Frontend"), config, "x.yaml", "graphs.disagg")
