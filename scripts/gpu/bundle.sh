@@ -29,7 +29,8 @@ python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:
 # vLLM's FlashAttention-2 kernels (Hopper runs FlashAttention 3) and its Rust front-end are
 # not used: 290 -> 159 MB.
 vllm_whl=$(ls "$WHEELS"/vllm-0.26.0-*.whl)
-if unzip -l "$vllm_whl" | grep -q '_vllm_fa2_C.abi3.so'; then
+# (grep reads the whole listing: grep -q would close the pipe early and pipefail would skip this)
+if unzip -Z1 "$vllm_whl" | grep -c '_vllm_fa2_C.abi3.so$' >/dev/null; then
   log "trimming $(basename "$vllm_whl")"
   zip -q -d "$vllm_whl" 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs*' >/dev/null || true
 fi

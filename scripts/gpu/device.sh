@@ -5,6 +5,9 @@
 #   scripts/gpu/device.sh install                 # check, join and install the stashed parts
 #   scripts/gpu/device.sh run CMD [ARG ...]       # run CMD with the bundle and the checkout
 #                                                 # importable (installs first if needed)
+# With WATCHDOG_S=N, a CMD still running after N s gets the Python stacks of its whole process
+# tree (py-spy, carried as a wheel in .gpu-bundle/debug/) written to $STACKS (default
+# ${OUT:-/tmp}/stacks.txt), and runs on: the way to see where a GPU run hangs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STASH=${MMHANDOFF_BUNDLE_STASH:-/tmp/mmhandoff-bundle}
@@ -24,6 +27,27 @@ install() {
   touch "$SITE/.installed"
 }
 
+# py-spy dump of every process under PID, and the GPU's own view, into $STACKS
+dump_stacks() {
+  local out=${STACKS:-${OUT:-/tmp}/stacks.txt}
+  if ! command -v py-spy >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" .gpu-bundle/debug/py_spy-*.whl
+    export PATH="$SITE/bin:$PATH"
+  fi
+  log "still running after ${WATCHDOG_S} s: stacks of $1's process tree -> $out"
+  {
+    nvidia-smi || true
+    for p in $1 $(descendants "$1"); do
+      echo "===== pid $p: $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null | cut -c1-200)"
+      py-spy dump --native --pid "$p" 2>&1 || py-spy dump --pid "$p" 2>&1 || true
+    done
+  } > "$out"
+}
+descendants() {
+  local c
+  for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done
+}
+
 case "${1:-}" in
   stash)
     shift; mkdir -p "$STASH"
@@ -32,9 +56,12 @@ case "${1:-}" in
   install) install ;;
   run)
     shift; install
-    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$SITE:$PWD/components/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     # flashinfer is not in the bundle; the block-hash seed must match on every engine
     export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONHASHSEED=${PYTHONHASHSEED:-0}
-    exec "$@" ;;
+    [ -n "${WATCHDOG_S:-}" ] || exec "$@"
+    "$@" & pid=$!
+    ( sleep "$WATCHDOG_S"; kill -0 "$pid" 2>/dev/null && dump_stacks "$pid" ) &
+    wait "$pid" ;;
   *) sed -n 2,7p "$0"; exit 2 ;;
 esac
