@@ -10,7 +10,7 @@ import pytest
 from mmhandoff.decode.worker import collect
 from mmhandoff.serving.runtime import RemoteError, call
 from mmhandoff.wire.handoff import EmptyHash
-from mmhandoff.wire.messages import PrefillRequest
+from mmhandoff.wire.messages import PrefillAnswer, PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import greedy
 
@@ -105,8 +105,9 @@ def test_full_media_arm_endpoint_handlers(loop, dynamo, engines):
                              messages=chat("Full media?", data_uri(png)))
     (answer,) = loop.run(_all(PrefillWorker(engines.prefill, full_media=True).handle(
         msgspec.to_builtins(request))))
-    assert "token_ids" not in answer["handoff"]  # a FullMediaRequest, not a Handoff
-    chunks = loop.run(_all(FullMediaDecodeWorker(engines.full).handle(answer["handoff"])))
+    typed = msgspec.convert(answer, PrefillAnswer)
+    assert typed.handoff is None and typed.full_media is not None  # the media, not a Handoff
+    chunks = loop.run(_all(FullMediaDecodeWorker(engines.full).handle(typed.for_decode())))
     full = [t for c in chunks for t in c["token_ids"]]
     assert chunks[-1]["stats"]["request_bytes"] > len(png)  # the media went to decode
 

@@ -19,7 +19,7 @@ from tests.conftest import IMAGE_SERVER_PNG as PNG
 from tests.conftest import data_uri, encode, make_image
 from tests.conftest import serve_app as _start
 from tests.flows import greedy, handoff_run
-from tests.test_frontend_request import BAD_CASES
+from tests.test_frontend_request import BAD_CASES, GOOD, chat_body, messages, post
 
 pytestmark = pytest.mark.engine
 
@@ -51,11 +51,6 @@ def open_server(loop, dynamo):
     loop.run(runner.cleanup())
 
 
-def _messages(*uris, text="What is it?"):
-    parts = [{"type": "image_url", "image_url": {"url": u}} for u in uris]
-    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
-
-
 def test_chat_with_images_streaming_and_not(loop, open_server, image_server, dynamo):
     prefill, decode, _, _ = dynamo
     _, url = open_server
@@ -68,17 +63,17 @@ def test_chat_with_images_streaming_and_not(loop, open_server, image_server, dyn
         ([image_server + "/to-img"], [data_uri(PNG)]),  # fetched over http, after a redirect
     ]
     for uris, same_as in cases:
-        messages = _messages(*uris)
+        asked = messages(*uris)
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, max_tokens=12, temperature=0)
+            model=MODEL, messages=asked, max_tokens=12, temperature=0)
         plain = raw.parse()
         assert raw.headers["x-request-id"] == plain.id
         streamed = "".join(
             c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True)
+                model=MODEL, messages=asked, max_tokens=12, temperature=0, stream=True)
             if c.choices)
         # reference: the same request through the workers in-process
-        tokens, _, h = loop.run(handoff_run(prefill, decode, "ref", _messages(*(same_as or uris)),
+        tokens, _, h = loop.run(handoff_run(prefill, decode, "ref", messages(*(same_as or uris)),
                                             greedy(12)))
         expected = decode.engine.renderer.get_tokenizer().decode(tokens, skip_special_tokens=True)
         assert plain.choices[0].message.content == streamed == expected
@@ -109,21 +104,6 @@ def test_completions_equal_the_engine_on_the_raw_prompt(loop, server, engines):
     assert plain.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
-def _post(url, body: bytes, path="/v1/chat/completions"):
-    req = urllib.request.Request(url + path, data=body,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _chat_body(*uris, model=MODEL, **kw):
-    return json.dumps({"model": model, "messages": _messages(*uris), "max_tokens": 4, **kw}).encode()
-
-
-GOOD = data_uri(encode(make_image(64, 64, 64)))
 
 
 @pytest.mark.parametrize("case", ["invalid json", "pixels", "URL to metadata", "bad max_tokens"])
@@ -131,9 +111,9 @@ def test_after_a_refusal_the_server_keeps_serving(server, case):
     """Every refusal case runs without workers in test_frontend_request.py; here a few run in
     front of the real ones, each followed by a request that must be answered."""
     body, status, code = BAD_CASES[case]
-    got_status, got = _post(server, body)
+    got_status, got = post(server, body)
     assert (got_status, got["error"]["code"]) == (status, code)
-    ok_status, ok = _post(server, _chat_body(GOOD))
+    ok_status, ok = post(server, chat_body(GOOD))
     assert ok_status == 200 and ok["choices"][0]["finish_reason"] in ("length", "stop")
 
 
@@ -195,7 +175,7 @@ def test_metrics_and_cancellation(loop, open_server, engines):
     base = _engine_states(loop, engines, "base")
     before, generated = scrape(), engines.decode_load.generation_tokens
 
-    body = json.dumps({"model": MODEL, "messages": _messages(GOOD), "max_tokens": 1000,
+    body = json.dumps({"model": MODEL, "messages": messages(GOOD), "max_tokens": 1000,
                        "temperature": 0, "stream": True, "ignore_eos": True}).encode()
     with _send_raw(url, body) as s:
         got = b""
@@ -234,7 +214,7 @@ def test_a_client_that_leaves_during_prefill(loop, open_server, engines):
     base = _engine_states(loop, engines, "base-leave")
     stored = len(engines.prefill_events.stored())
     body = json.dumps({"model": MODEL, "max_tokens": 50, "temperature": 0, "stream": True,
-                       "messages": _messages(data_uri(encode(make_image(1600, 1200, 71),
+                       "messages": messages(data_uri(encode(make_image(1600, 1200, 71),
                                                                  "JPEG"), "image/jpeg"))}).encode()
     deadline = time.monotonic() + 60
     with _send_raw(url, body):

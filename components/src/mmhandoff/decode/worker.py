@@ -38,6 +38,7 @@ class KVCoverageError(RuntimeError):
     """The request's KV did not cover every image span; nothing was recomputed from media."""
 
     code = "kv_coverage"
+    fault = "server"
 
     def __init__(self, request_id: str, cause: str) -> None:
         super().__init__(f"request {request_id}: KV does not cover the image spans ({cause})")
@@ -46,7 +47,10 @@ class KVCoverageError(RuntimeError):
 
 
 class InvalidRequest(ValueError):
+    """The request as the client sent it cannot run (e.g. longer than the model's context)."""
+
     code = "invalid_request"
+    fault = "client"
 
 
 class UnsupportedModel(RuntimeError):

@@ -33,11 +33,21 @@ from mmhandoff.frontend.metrics import FrontendMetrics
 from mmhandoff.frontend.request import ApiError, FrontendLimits, RequestReader
 from mmhandoff.media.fetch import FetchPolicy
 from mmhandoff.serving.runtime import RemoteError, background, call, call_one
-from mmhandoff.wire.messages import PrefillAnswer
+from mmhandoff.wire.messages import (
+    AnswerStats,
+    DecodeChunk,
+    DecodeStats,
+    PrefillAnswer,
+    PrefillStats,
+)
 
 __all__ = ["Frontend", "FrontendLimits", "ApiError"]
 
 DRAIN_S = 30.0
+
+
+# Failures of ours that a client may retry later (503); any other fault of ours is a 500.
+UNAVAILABLE = frozenset({"kv_coverage", "prefill_failed"})
 
 
 @dataclass
@@ -47,7 +57,14 @@ class Piece:
     text: str
     finish: str | None = None
     usage: dict | None = None
-    stats: dict | None = None
+    stats: AnswerStats | None = None
+
+
+def api_error(e: RemoteError) -> ApiError:
+    """A component's typed error as the client sees it: its fault decides 4xx or 5xx."""
+    if e.fault == "client":
+        return ApiError(400, e.message, e.code)
+    return ApiError(503 if e.code in UNAVAILABLE else 500, e.message, e.code, "server_error")
 
 
 class Frontend:
@@ -171,34 +188,34 @@ class Frontend:
             sent, last_t = 0, None
             try:
                 async with aclosing(self._decode(prefill_request)) as chunks:
-                    async for chunk in chunks:
+                    async for chunk, prefill_stats in chunks:
                         now = time.perf_counter()
                         if last_t is None:
                             self.metrics.ttft.observe(now - t0)
                         else:
                             self.metrics.itl.observe(now - last_t)
                         last_t = now
-                        sent += len(chunk["token_ids"])
-                        piece = Piece(chunk["text"], chunk.get("finish_reason"))
+                        sent += len(chunk.token_ids)
+                        piece = Piece(chunk.text, chunk.finish_reason)
                         if piece.finish:
-                            piece.stats = stats = chunk.get("stats") or {}
+                            stats = chunk.stats or DecodeStats(request_bytes=-1, prepare_ms=-1)
                             self.metrics.record_decode(stats)
-                            prompt = stats.get("prompt_tokens", -1)
+                            piece.stats = AnswerStats(**msgspec.structs.asdict(stats),
+                                                      prefill=prefill_stats, retries=attempt)
+                            prompt = stats.prompt_tokens
                             piece.usage = {"prompt_tokens": prompt, "completion_tokens": sent,
                                            "total_tokens": prompt + sent}
-                            stats["retries"] = attempt
                         yield piece
                 return
             except RemoteError as e:
                 if e.code == "kv_coverage" and not sent and attempt < self.retries:
                     self.metrics.retries.inc()
                     continue
-                status = 503 if e.code in ("kv_coverage", "prefill_failed", "internal") else 400
-                raise ApiError(status, e.message, e.code,
-                               "server_error" if status == 503 else "invalid_request_error") from None
+                raise api_error(e) from None
 
-    async def _decode(self, prefill_request) -> AsyncIterator[dict]:
-        """Decode's chunks; the last one's stats also carry prefill's (key `prefill`)."""
+    async def _decode(self, prefill_request) -> AsyncIterator[tuple[DecodeChunk, PrefillStats | None]]:
+        """Decode's chunks, decoded strictly, each with prefill's statistics (None in the agg
+        graph, where the one worker takes the request itself)."""
         request, prefill_stats = msgspec.to_builtins(prefill_request), None
         if self.prefill is not None:
             prefilled = asyncio.ensure_future(call_one(self.prefill, request))
@@ -207,13 +224,11 @@ class Frontend:
             except asyncio.CancelledError:  # the client left while prefill ran
                 background(self._release(prefilled))
                 raise
-            answer = msgspec.convert(raw, PrefillAnswer)
-            request, prefill_stats = answer.handoff, msgspec.to_builtins(answer.stats)
+            answer = _prefill_answer(raw)
+            request, prefill_stats = answer.for_decode(), answer.stats
         async with aclosing(call(self.decode, request)) as chunks:
-            async for chunk in chunks:
-                if chunk.get("stats") and prefill_stats:
-                    chunk["stats"]["prefill"] = prefill_stats
-                yield chunk
+            async for raw_chunk in chunks:
+                yield _decode_chunk(raw_chunk), prefill_stats
 
 
     async def _release(self, prefilled: asyncio.Future) -> None:
@@ -222,13 +237,27 @@ class Frontend:
         chunk: the pull (or, if decode aborts first, vLLM's notice to the producer) frees them
         now instead of at the end of the lease."""
         try:
-            answer = msgspec.convert(await prefilled, PrefillAnswer)
-            async with aclosing(call(self.decode, answer.handoff)) as chunks:
+            answer = _prefill_answer(await prefilled)
+            async with aclosing(call(self.decode, answer.for_decode())) as chunks:
                 async for _ in chunks:
                     break
         except Exception as e:  # nothing to answer to: the lease frees the blocks in the end
             print(f"[frontend] releasing an abandoned handoff failed: {e!r}", file=sys.stderr,
                   flush=True)
+
+
+def _prefill_answer(raw) -> PrefillAnswer:
+    try:
+        return msgspec.convert(raw, PrefillAnswer)
+    except msgspec.ValidationError as e:  # prefill is ours: a malformed answer is our fault
+        raise RemoteError("internal", f"prefill answered a malformed message: {e}") from None
+
+
+def _decode_chunk(raw) -> DecodeChunk:
+    try:
+        return msgspec.convert(raw, DecodeChunk)
+    except msgspec.ValidationError as e:
+        raise RemoteError("internal", f"decode streamed a malformed chunk: {e}") from None
 
 
 # ---- OpenAI response shapes ------------------------------------------------------------------
@@ -238,7 +267,8 @@ def _whole(api: str, request_id: str, model: str, text: str, last: Piece) -> dic
               {"index": 0, "finish_reason": last.finish, "text": text, "logprobs": None})
     return {"id": request_id, "object": "chat.completion" if api == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": last.usage, "mmhandoff": last.stats}
+            "usage": last.usage,
+            "mmhandoff": msgspec.to_builtins(last.stats) if last.stats is not None else None}
 
 
 def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece) -> dict:

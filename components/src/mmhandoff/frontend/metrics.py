@@ -11,6 +11,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from mmhandoff.wire.messages import DecodeStats
+
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _BYTES = (256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 
@@ -41,13 +43,12 @@ class FrontendMetrics:
         self.disconnects = Counter("mmhandoff_client_disconnects", "Streams the client left "
                                    "before the end (the request was aborted)", registry=r)
 
-    def record_decode(self, stats: dict | None) -> None:
-        if not stats:
-            return
-        self.handoff_bytes.observe(stats["request_bytes"])
-        if stats.get("kv_tokens_pulled", -1) >= 0:
-            self.kv_pulled.inc(stats["kv_tokens_pulled"])
-        self.kv_wait.observe(stats["ttft_ms"] / 1e3)
+    def record_decode(self, stats: DecodeStats) -> None:
+        if stats.request_bytes >= 0:
+            self.handoff_bytes.observe(stats.request_bytes)
+        if stats.kv_tokens_pulled >= 0:
+            self.kv_pulled.inc(stats.kv_tokens_pulled)
+        self.kv_wait.observe(stats.ttft_ms / 1e3)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,7 @@ class ImageError(ValueError):
     """An image that cannot be used; the message is safe to show to a client."""
 
     code = "invalid_image"
+    fault = "client"
 
 
 class ImageTooLarge(ImageError):

@@ -33,10 +33,12 @@ from mmhandoff.wire.messages import (
 
 class PrefillError(RuntimeError):
     code = "prefill_failed"
+    fault = "server"
 
 
 class InvalidRequest(ValueError):
     code = "invalid_request"
+    fault = "client"
 
 
 def split_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -138,13 +140,14 @@ class PrefillWorker:
         out."""
         typed, prompt, refs = self.from_wire(request)
         async for handoff, stats in self.generate(typed, (prompt, refs)):
-            out: Any = handoff
             if self.full_media:
-                out = FullMediaRequest(
+                answer = PrefillAnswer(stats=stats, full_media=FullMediaRequest(
                     request_id=typed.request_id, prompt=prompt,
                     images=[data_uri_bytes(r, self.limits) for r in refs],
-                    kv_transfer_params=handoff.kv_transfer_params, sampling=typed.sampling)
-            yield msgspec.to_builtins(PrefillAnswer(handoff=msgspec.to_builtins(out), stats=stats))
+                    kv_transfer_params=handoff.kv_transfer_params, sampling=typed.sampling))
+            else:
+                answer = PrefillAnswer(handoff=handoff, stats=stats)
+            yield msgspec.to_builtins(answer)
 
     def from_wire(self, request: dict) -> tuple[PrefillRequest, str, list[str]]:
         """A PrefillRequest off the network, its prompt text and its image refs; a network

@@ -16,27 +16,40 @@ import asyncio
 import os
 from typing import Any, AsyncIterator, Callable, Coroutine
 
+import msgspec
+
+from mmhandoff.wire.messages import ErrorEnvelope, RemoteFault
+
 LOOPBACK_VARS = ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST")
 
 
 class RemoteError(RuntimeError):
-    """A typed error from another component; `code` says which rule or failure."""
+    """A typed error from another component; `code` says which rule or failure, `fault` whose
+    it is ("client": the request as the client sent it; "server": ours)."""
 
-    def __init__(self, code: str, message: str, cause: str | None = None) -> None:
+    def __init__(self, code: str, message: str, cause: str | None = None,
+                 fault: str = "server") -> None:
         super().__init__(f"[{code}] {message}")
-        self.code, self.message, self.cause = code, message, cause
+        self.code, self.message, self.cause, self.fault = code, message, cause, fault
 
 
 def error_envelope(exc: BaseException) -> dict[str, Any]:
-    return {"error": {"code": getattr(exc, "code", "internal"),
-                      "message": getattr(exc, "message", str(exc)),
-                      "cause": getattr(exc, "cause", None)}}
+    """An exception as an ErrorEnvelope in builtin form. Its class says whose fault it is
+    (`fault = "client"`); anything that does not say is ours."""
+    fault = getattr(exc, "fault", "server")
+    return msgspec.to_builtins(ErrorEnvelope(error=RemoteFault(
+        code=str(getattr(exc, "code", "internal")),
+        message=str(getattr(exc, "message", str(exc))), cause=getattr(exc, "cause", None),
+        fault=fault if fault in ("client", "server") else "server")))
 
 
 def raise_for_error(item: Any) -> Any:
-    if isinstance(item, dict) and isinstance(item.get("error"), dict):
-        e = item["error"]
-        raise RemoteError(str(e.get("code")), str(e.get("message")), e.get("cause"))
+    if isinstance(item, dict) and "error" in item:
+        try:
+            e = msgspec.convert(item, ErrorEnvelope).error
+        except msgspec.ValidationError as bad:
+            raise RemoteError("internal", f"malformed error envelope: {bad}") from None
+        raise RemoteError(e.code, e.message, e.cause, e.fault)
     return item
 
 

@@ -27,6 +27,8 @@ class HandoffError(ValueError):
     """A handoff the decode tier refuses. `code` is stable and safe to show to a client."""
 
     code = "invalid_handoff"
+    # The client never sends a handoff: prefill made it, so a refused one is our fault.
+    fault = "server"
 
 
 class MalformedHandoff(HandoffError):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
-from mmhandoff.wire.handoff import Sampling
+from mmhandoff.wire.handoff import Handoff, Sampling
 
 
 class PrefillRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -30,15 +30,6 @@ class PrefillStats(msgspec.Struct, kw_only=True):
     prefill_ms: float
 
 
-class PrefillAnswer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """What prefill.generate answers. `handoff` is the message for decode in its builtin form (a
-    Handoff, or in the full-media arm a FullMediaRequest): the frontend passes it on untouched
-    and decode checks it strictly."""
-
-    handoff: dict[str, Any]
-    stats: PrefillStats
-
-
 class FullMediaRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The benchmark arm "decode receives the media": the rendered prompt text and the original
     image bytes go to decode, which decodes and re-processes them (what P/D stacks do today)."""
@@ -48,6 +39,23 @@ class FullMediaRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     images: list[bytes]
     kv_transfer_params: dict[str, Any]
     sampling: Sampling
+
+
+class PrefillAnswer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What prefill.generate answers: the message for decode (exactly one of them) and prefill's
+    statistics. `full_media` is the benchmark arm in which decode gets the media again."""
+
+    handoff: Handoff | None = None
+    full_media: FullMediaRequest | None = None
+    stats: PrefillStats
+
+    def __post_init__(self) -> None:
+        if (self.handoff is None) == (self.full_media is None):
+            raise ValueError("a prefill answer carries exactly one of handoff, full_media")
+
+    def for_decode(self) -> dict[str, Any]:
+        """The message for decode, in the builtin form the Dynamo endpoint carries."""
+        return msgspec.to_builtins(self.handoff or self.full_media)
 
 
 class DecodeStats(msgspec.Struct, kw_only=True):
@@ -68,3 +76,28 @@ class DecodeChunk(msgspec.Struct, kw_only=True):
     text: str
     finish_reason: str | None = None
     stats: DecodeStats | None = None
+
+
+class AnswerStats(DecodeStats, kw_only=True):
+    """The public `mmhandoff` object of an answer: decode's statistics, prefill's, and how many
+    times the request went through prefill again after decode failed closed."""
+
+    prefill: PrefillStats | None = None
+    retries: int = 0
+
+
+class RemoteFault(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A refusal or failure of another component. `fault` says whose: "client" (the request as
+    the client sent it: a 4xx at the frontend) or "server" (ours: a 5xx)."""
+
+    code: str
+    message: str
+    cause: str | None = None
+    fault: Literal["client", "server"] = "server"
+
+
+class ErrorEnvelope(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How an endpoint reports a typed error in its stream (Dynamo would flatten an exception
+    into the text of a ValueError)."""
+
+    error: RemoteFault
