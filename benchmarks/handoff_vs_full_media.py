@@ -59,7 +59,9 @@ async def main(args) -> None:
         common = dict(model=model, dtype="bfloat16", extra={"load_format": "dummy"},
                       gpu_memory_utilization=None if on_cpu() else args.gpu_memory_utilization)
         cores = {}
-    common.update(block_size=args.block_size, cuda_ipc_get=args.cuda_ipc_get == "on")
+    common.update(block_size=args.block_size, cuda_ipc_get=args.cuda_ipc_get != "off")
+    if args.cuda_ipc_get == "all":  # prefill inherits it too
+        os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
     specs = {
         "prefill": EngineSpec(role="prefill", cpu_cores=cores.get("prefill"), nixl_port=port(),
                               **common),
@@ -122,16 +124,17 @@ async def main(args) -> None:
         return ttft, st.prepare_ms, len(wire), st.ttft_ms, st.kv_tokens_pulled, st.prompt_tokens
 
     rows = []
-    seed = 0
     for size_name, (w, h) in sizes.items():
-        n = args.requests
-        images = [jpeg(w, h, 1000 + i) for i in range(2 * n + 2)]
+        n, seed = args.requests, 0
+        # a fresh image for every measured request: one seen before would be a prefix-cache hit
+        # in prefill, and in the decode engine that served it (no KV pulled at all)
+        images = [jpeg(w, h, 1000 + i) for i in range(2 * n * len(args.concurrency) + 1)]
         for conc in args.concurrency:
             for arm in ("full media", "handoff"):
                 await one(arm, images[-1], f"warm-{arm}-{size_name}-{conc}")  # warm-up
                 results = []
                 for start in range(0, n, conc):
-                    batch = [one(arm, images[(seed + i) % (2 * n)], f"{arm}-{size_name}-{conc}-{start + i}")
+                    batch = [one(arm, images[seed + i], f"{arm}-{size_name}-{conc}-{start + i}")
                              for i in range(min(conc, n - start))]
                     results += await asyncio.gather(*batch)
                     seed += len(batch)
@@ -238,6 +241,8 @@ if __name__ == "__main__":
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                         help="GPU: each engine's share (three engines share one GPU)")
-    parser.add_argument("--cuda-ipc-get", choices=("on", "off"), default="on",
-                        help="GPU: UCX_CUDA_IPC_ENABLE_GET_ZCOPY y (on) or UCX's auto (off)")
+    parser.add_argument("--cuda-ipc-get", choices=("on", "off", "all"), default="on",
+                        help="GPU: UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y for the decode engines (on, "
+                             "EngineSpec's default), UCX's auto (off), or y for every process "
+                             "(all: how the first prefill hung, docs/gpu.md)")
     asyncio.run(main(parser.parse_args()))

@@ -25,10 +25,14 @@ def test_a_seed_python_would_refuse_is_refused_at_once(seed):
         EngineSpec(model="m", role="decode", block_hash_seed=seed)
 
 
-def test_cuda_ipc_get_is_set_for_kv_engines_on_gpus_only(monkeypatch):
+def test_cuda_ipc_get_is_set_for_the_engines_that_pull_kv_on_gpus_only(monkeypatch):
     var = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
     assert var not in engine_env(EngineSpec(model="m", role="decode"))  # this CPU machine
     monkeypatch.setattr(engine_mod, "on_cpu", lambda: False)
-    assert engine_env(EngineSpec(model="m", role="decode"))[var] == "y"
-    assert engine_env(EngineSpec(model="m", role="prefill", cuda_ipc_get=False))[var] == "auto"
-    assert var not in engine_env(EngineSpec(model="m", role="agg"))  # no KV transfer at all
+    for reader in ("decode", "full_media_decode"):
+        assert engine_env(EngineSpec(model="m", role=reader))[var] == "y"
+        assert engine_env(EngineSpec(model="m", role=reader, cuda_ipc_get=False))[var] == "auto"
+    # prefill only serves reads: with GET forced on there too, its first request hung on an
+    # H200 (docs/gpu.md); agg moves no KV at all
+    for other in ("prefill", "agg"):
+        assert var not in engine_env(EngineSpec(model="m", role=other))

@@ -31,8 +31,10 @@ install() {
 dump_stacks() {
   local out=${STACKS:-${OUT:-/tmp}/stacks.txt}
   if ! command -v py-spy >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --target "$SITE" .gpu-bundle/debug/py_spy-*.whl
-    export PATH="$SITE/bin:$PATH"
+    # its own folder: pip --target skips a bin/ that already exists (the bundle made one)
+    python3 -m pip install -q --no-index --no-deps --target "$SITE-debug" \
+      .gpu-bundle/debug/py_spy-*.whl
+    export PATH="$SITE-debug/bin:$PATH"
   fi
   log "still running after ${WATCHDOG_S} s: stacks of $1's process tree -> $out"
   {
@@ -40,6 +42,10 @@ dump_stacks() {
     for p in $1 $(descendants "$1"); do
       echo "===== pid $p: $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null | cut -c1-200)"
       py-spy dump --native --pid "$p" 2>&1 || py-spy dump --pid "$p" 2>&1 || true
+      # the kernel's view of every thread, in case ptrace is refused
+      for t in /proc/$p/task/*; do
+        echo "  thread ${t##*/} $(cat "$t/comm") state=$(awk '{print $3}' "$t/stat") wchan=$(cat "$t/wchan")"
+      done 2>/dev/null
     done
   } > "$out"
 }

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Literal
 
 Role = Literal["agg", "prefill", "decode", "full_media_decode"]
 ROLES: tuple[Role, ...] = ("agg", "prefill", "decode", "full_media_decode")
+KV_READERS: tuple[Role, ...] = ("decode", "full_media_decode")  # they pull KV with NIXL READ
 
 FAIL_CLOSED_SCHEDULER = "mmhandoff.vllm_adapter.scheduler.FailClosedScheduler"
 CONNECTOR = "mmhandoff.vllm_adapter.connector.MMHandoffNixlConnector"
@@ -60,6 +61,7 @@ class EngineSpec:
     # GPU: let UCX serve NIXL's READ (decode's pull) through cuda_ipc. UCX turns cuda_ipc's GET
     # off when it sees no active NVLink (one GPU, PCIe-only hosts), and the pull then falls back
     # to "software emulation" over TCP: 0.6 GB/s instead of 17 GB/s on an H200 (docs/gpu.md).
+    # Only the engines that read (decode) get it: the reader's UCX picks the protocol.
     # False leaves UCX's own choice ("auto").
     cuda_ipc_get: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs as is
@@ -140,7 +142,7 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.nixl_host
         if spec.nixl_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_port)
-        if not on_cpu():
+        if not on_cpu() and spec.role in KV_READERS:
             env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y" if spec.cuda_ipc_get else "auto"
     return env
 
