@@ -213,7 +213,8 @@ class Frontend:
                     continue
                 raise api_error(e) from None
 
-    async def _decode(self, prefill_request) -> AsyncIterator[tuple[DecodeChunk, PrefillStats | None]]:
+    async def _decode(
+            self, prefill_request) -> AsyncIterator[tuple[DecodeChunk, PrefillStats | None]]:
         """Decode's chunks, decoded strictly, each with prefill's statistics (None in the agg
         graph, where the one worker takes the request itself)."""
         request, prefill_stats = msgspec.to_builtins(prefill_request), None
