@@ -19,6 +19,7 @@ from typing import Any
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 for _var in ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST"):
     os.environ.setdefault(_var, "127.0.0.1")
+os.environ.pop("POD_IP", None)  # components bind their NIXL side channel to it when set
 # Lets a test ask a worker process what its model holds (collective_rpc with a function).
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 

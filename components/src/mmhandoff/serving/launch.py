@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
+import os
 import signal
 import sys
 from typing import Callable
@@ -21,6 +23,9 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="mmhandoff")
     p.add_argument("--cpu-cores", help='CPU machines: cores for the engine, e.g. "0" or "0-1"')
     p.add_argument("--nixl-port", type=int, help="NIXL side-channel port of this engine")
+    p.add_argument("--nixl-host", type=_ip, default=os.environ.get("POD_IP") or "127.0.0.1",
+                   help="address of this engine's NIXL side channel (the KV handshake) that the "
+                        "other engines reach; default $POD_IP (Kubernetes), else 127.0.0.1")
     p.add_argument("--kv-lease-s", type=int, help="prefill: how long unpulled KV is held")
     p.add_argument("--kv-deadline-s", type=float, default=30.0, help="decode: KV pull deadline")
     p.add_argument("--discovery", help='Dynamo discovery backend ("file", "etcd", ...)')
@@ -28,6 +33,24 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--full-media", action="store_true",
                    help="benchmark arm: prefill hands decode the media; decode re-processes it")
     return p
+
+
+def _ip(value: str) -> str:
+    """An IP address (the side channel binds to it: a host name would not do)."""
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an IP address: {value!r}") from None
+
+
+def engine_spec(args: argparse.Namespace, role: str):
+    """The EngineSpec a component's command line asks for."""
+    from mmhandoff.models.tiny import ensure_tiny_model
+    from mmhandoff.vllm_adapter import EngineSpec
+
+    return EngineSpec(model=args.model or str(ensure_tiny_model()), role=role,
+                      cpu_cores=args.cpu_cores, nixl_port=args.nixl_port,
+                      nixl_host=args.nixl_host, kv_lease_s=args.kv_lease_s)
 
 
 def run(role: str, spec_role: str | Callable, endpoint: str, make_handler: Callable,
@@ -46,15 +69,11 @@ def run(role: str, spec_role: str | Callable, endpoint: str, make_handler: Calla
 
 
 async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
-    from mmhandoff.models.tiny import ensure_tiny_model
     from mmhandoff.serving.health import ENGINE_DEAD, start_not_ready, watch_engine
     from mmhandoff.serving.runtime import runtime, serve
-    from mmhandoff.vllm_adapter import EngineSpec, start_engine
+    from mmhandoff.vllm_adapter import start_engine
 
-    if callable(spec_role):
-        spec_role = spec_role(args)
-    spec = EngineSpec(model=args.model or str(ensure_tiny_model()), role=spec_role,
-                      cpu_cores=args.cpu_cores, nixl_port=args.nixl_port, kv_lease_s=args.kv_lease_s)
+    spec = engine_spec(args, spec_role(args) if callable(spec_role) else spec_role)
     start_not_ready()
     engine = start_engine(spec)
     rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,
