@@ -247,18 +247,20 @@ class Frontend:
                   flush=True)
 
 
-def _prefill_answer(raw) -> PrefillAnswer:
+def _from_peer(raw, kind: type, what: str):
+    """A message from another of our components, decoded strictly: malformed is our fault."""
     try:
-        return msgspec.convert(raw, PrefillAnswer)
-    except msgspec.ValidationError as e:  # prefill is ours: a malformed answer is our fault
-        raise RemoteError("internal", f"prefill answered a malformed message: {e}") from None
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as e:
+        raise RemoteError("internal", f"{what} malformed: {e}") from None
+
+
+def _prefill_answer(raw) -> PrefillAnswer:
+    return _from_peer(raw, PrefillAnswer, "prefill answered a message")
 
 
 def _decode_chunk(raw) -> DecodeChunk:
-    try:
-        return msgspec.convert(raw, DecodeChunk)
-    except msgspec.ValidationError as e:
-        raise RemoteError("internal", f"decode streamed a malformed chunk: {e}") from None
+    return _from_peer(raw, DecodeChunk, "decode streamed a chunk")
 
 
 # ---- OpenAI response shapes ------------------------------------------------------------------
