@@ -39,6 +39,7 @@ MAX_TOKENS = 32
 
 
 def messages(image: bytes) -> list[dict]:
+    """OpenAI's form: the graph arm posts it; the in-process arm reads it as the frontend does."""
     uri = "data:image/jpeg;base64," + base64.b64encode(image).decode()
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
                                          {"type": "text", "text": "Describe it."}]}]
@@ -59,12 +60,14 @@ class InProcess:
         self.decode = DecodeWorker(self.engines[1])
 
     async def request(self, rid: str, image: bytes) -> float:
+        import msgspec
+
         from mmhandoff.wire.handoff import Sampling
-        from mmhandoff.wire.messages import PrefillRequest
+        from mmhandoff.wire.messages import ChatMessage, PrefillRequest
 
         t0 = time.perf_counter()
         handoff, _ = await self.prefill.handoff(PrefillRequest(
-            request_id=rid, messages=messages(image),
+            request_id=rid, messages=msgspec.convert(messages(image), list[ChatMessage]),
             sampling=Sampling(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)))
         ttft = None
         async for _ in self.decode.generate(handoff):
@@ -170,8 +173,6 @@ async def idle_cpu(pids: list[int], seconds: float = 3.0) -> float:
 async def main(args) -> None:
     import aiohttp
 
-    from mmhandoff.vllm_adapter import engine_core_pids
-
     run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-bench-"))
     # Both arms stay up and take turns: with the engines' spin plugin
     # (components/src/mmhandoff/vllm_adapter/spin.py) the idle arm uses a few percent of a core (printed).
@@ -182,7 +183,7 @@ async def main(args) -> None:
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
     try:
         idle = {"in-process engines": await idle_cpu(
-                    [pid for e in local.engines for pid in engine_core_pids(e)]),
+                    [pid for e in local.engines for pid in e.core_pids()]),
                 "graph": await idle_cpu([graph.proc.pid])}
         results = await measure({
             "in-process": local.request,

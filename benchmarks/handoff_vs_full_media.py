@@ -39,14 +39,16 @@ from benchmarks.common import PeakRSS, jpeg, pct, port  # noqa: E402
 async def main(args) -> None:
     import msgspec
 
-    from mmhandoff.decode.worker import DecodeWorker, FullMediaDecodeWorker
+    from mmhandoff.decode.full_media import FullMediaDecodeWorker
+    from mmhandoff.decode.worker import DecodeWorker
     from mmhandoff.models.dummy import ensure_dummy_model
     from mmhandoff.models.tiny import ensure_tiny_model
     from mmhandoff.prefill.worker import PrefillWorker
-    from mmhandoff.vllm_adapter import EngineSpec, sampling_params, start_engine
+    from mmhandoff.vllm_adapter import EngineSpec, start_engine
     from mmhandoff.vllm_adapter.engine import on_cpu
     from mmhandoff.wire.handoff import Sampling, encode_handoff
-    from mmhandoff.wire.messages import FullMediaRequest, PrefillRequest
+    from mmhandoff.vllm_adapter.inputs import sampling_params
+    from mmhandoff.wire.messages import FullMediaRequest, PrefillRequest, user
 
     mem = PeakRSS()
     engines = {}
@@ -93,9 +95,8 @@ async def main(args) -> None:
     async def one(arm: str, image: bytes, rid: str):
         t0 = time.perf_counter()
         uri = "data:image/jpeg;base64," + base64.b64encode(image).decode()
-        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                                 {"type": "text", "text": "Describe it."}]}]
-        req = PrefillRequest(request_id=rid, messages=messages, sampling=sampling)
+        req = PrefillRequest(request_id=rid, messages=[user("Describe it.", uri)],
+                             sampling=sampling)
         handoff, _ = await asyncio.wait_for(prefill.handoff(req), 120)
         if args.verbose:
             print(f"[bench] {rid}: prefill {(time.perf_counter() - t0) * 1e3:.0f} ms",
@@ -104,9 +105,7 @@ async def main(args) -> None:
             wire = encode_handoff(handoff)
             stream = decode.generate(wire)
         else:
-            prompt = prefill.tokenizer.apply_chat_template(
-                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}],
-                tokenize=False, add_generation_prompt=True)
+            prompt = prefill.prompts.text(req)
             wire = msgspec.msgpack.encode(FullMediaRequest(
                 request_id=rid, prompt=prompt, images=[image],
                 kv_transfer_params=handoff.kv_transfer_params, sampling=sampling))
@@ -174,9 +173,10 @@ async def main(args) -> None:
         times = []
         for i in range(args.requests * 2 + 1):
             t0 = time.perf_counter()
-            async for _ in engines[name].generate(
+            async for _ in engines[name].llm.generate(
                     {"prompt": f"Count to ten, number {i}."},
-                    sampling_params(Sampling(max_tokens=8, temperature=0, ignore_eos=True)), f"lat-{name}-{i}"):
+                    sampling_params(Sampling(max_tokens=8, temperature=0, ignore_eos=True)),
+                    f"lat-{name}-{i}"):
                 pass
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times[1:])

@@ -30,12 +30,12 @@ def step(msg: str) -> None:
 
 
 async def run(image: bytes, max_tokens: int) -> None:
-    from mmhandoff.decode.worker import DecodeWorker, collect
+    from mmhandoff.decode.worker import DecodeWorker
     from mmhandoff.models.tiny import ensure_tiny_model
     from mmhandoff.prefill.worker import PrefillWorker
     from mmhandoff.vllm_adapter import EngineSpec, start_engine
     from mmhandoff.wire.handoff import Sampling, encode_handoff
-    from mmhandoff.wire.messages import PrefillRequest
+    from mmhandoff.wire.messages import PrefillRequest, user
 
     model = str(ensure_tiny_model())
     t = time.perf_counter()
@@ -50,14 +50,12 @@ async def run(image: bytes, max_tokens: int) -> None:
         uri = "data:image/jpeg;base64," + base64.b64encode(image).decode()
         request = PrefillRequest(
             request_id="demo-1",
-            messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": uri}},
-                {"type": "text", "text": "What is in this picture?"}]}],
+            messages=[user("What is in this picture?", uri)],
             sampling=Sampling(max_tokens=max_tokens, temperature=0.0))
         handoff, pstats = await PrefillWorker(prefill).handoff(request)
-        tokens, last = await collect(DecodeWorker(decode).generate(encode_handoff(handoff)))
-        s = last.stats
-        text = decode.renderer.get_tokenizer().decode(tokens)
+        tokens, text = [], ""
+        async for chunk in DecodeWorker(decode).generate(encode_handoff(handoff)):
+            tokens, text, s = tokens + chunk.token_ids, text + chunk.text, chunk.stats
         print(f"answer ({len(tokens)} tokens, random weights): {text!r}")
         print(f"image: {len(image)} bytes; prompt: {len(handoff.token_ids)} tokens, "
               f"image span {handoff.features.mm_placeholders['image'][0].offset}"

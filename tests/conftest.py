@@ -129,15 +129,14 @@ def dynamo_rt(loop, tmp_path_factory):
 @pytest.fixture(scope="session")
 def dynamo(loop, engines, dynamo_rt):
     from mmhandoff.decode.worker import DecodeWorker, KVCoverageError
-    from mmhandoff.media.images import ImageError
-    from mmhandoff.prefill.worker import InvalidRequest, PrefillWorker
+    from mmhandoff.prefill.worker import ERRORS, PrefillWorker
     from mmhandoff.serving.runtime import client, serve
     from mmhandoff.wire.handoff import HandoffError
 
     prefill, decode = PrefillWorker(engines.prefill), DecodeWorker(engines.decode)
 
     async def up():
-        serve(dynamo_rt, "mmhtest.prefill.generate", prefill.handle, (ImageError, InvalidRequest))
+        serve(dynamo_rt, "mmhtest.prefill.generate", prefill.handle, ERRORS)
         serve(dynamo_rt, "mmhtest.decode.generate", decode.handle, (HandoffError, KVCoverageError))
         return await client(dynamo_rt, "mmhtest.prefill.generate"), await client(
             dynamo_rt, "mmhtest.decode.generate")
@@ -151,9 +150,7 @@ def engine_cpu_s(engine) -> float:
     """CPU seconds used so far by an engine's core process and its model workers."""
     import psutil
 
-    from mmhandoff.vllm_adapter import engine_core_pids
-
-    (core_pid,) = engine_core_pids(engine)
+    (core_pid,) = engine.core_pids()
     core = psutil.Process(core_pid)
     return sum(sum(p.cpu_times()[:2]) for p in (core, *core.children(recursive=True)))
 
@@ -178,9 +175,10 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def chat(text: str, *uris: str) -> list[dict]:
-    parts = [{"type": "image_url", "image_url": {"url": u}} for u in uris]
-    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+def chat(text: str, *uris: str) -> list:
+    from mmhandoff.wire.messages import user
+
+    return [user(text, *uris)]
 
 
 # ---- a loopback HTTP server for image URLs -------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from mmhandoff.decode.worker import collect
-from mmhandoff.vllm_adapter import sampling_params
+from mmhandoff.vllm_adapter.inputs import sampling_params
 from mmhandoff.wire.handoff import Sampling
 from mmhandoff.wire.messages import FullMediaRequest, PrefillRequest
 
@@ -22,14 +22,14 @@ async def handoff_run(prefill, decode, request_id, messages, sampling):
 
 
 async def agg_run(prefill, full_engine, request_id, messages, sampling):
-    """The whole request on one engine, no KV transfer: the reference."""
-    prompt, images = await prefill.prepare(
-        PrefillRequest(request_id=request_id, messages=messages, sampling=sampling))
-    item = {"prompt": prompt}
+    """The whole request on one engine, no KV transfer, straight through vLLM: the reference."""
+    request = PrefillRequest(request_id=request_id, messages=messages, sampling=sampling)
+    item = {"prompt": prefill.prompts.text(request)}
+    images = await prefill.prompts.images(request)
     if images:
         item["multi_modal_data"] = {"image": [i.image for i in images]}
     final = None
-    async for out in full_engine.generate(item, sampling_params(sampling), f"{request_id}:agg"):
+    async for out in full_engine.llm.generate(item, sampling_params(sampling), f"{request_id}:agg"):
         final = out
     return list(final.outputs[0].token_ids)
 
@@ -38,7 +38,7 @@ async def full_media_run(prefill, full_worker, request_id, messages, sampling, i
     """P/D where decode receives the media again and re-processes it."""
     handoff, _ = await prefill.handoff(
         PrefillRequest(request_id=request_id, messages=messages, sampling=sampling))
-    prompt, _ = await prefill.prepare(
+    prompt = prefill.prompts.text(
         PrefillRequest(request_id=request_id, messages=messages, sampling=sampling))
     wire = msgspec.msgpack.encode(FullMediaRequest(
         request_id=request_id, prompt=prompt, images=image_bytes,

@@ -96,7 +96,7 @@ def test_router_passes_handoffs_and_errors_through(loop, dynamo):
 def test_full_media_arm_endpoint_handlers(loop, dynamo, engines):
     """The benchmark arm's endpoint handlers, in their wire forms: prefill answers with prompt + image bytes, decode (with the
     vision tower) re-processes them; same tokens as the handoff, and decode got the media."""
-    from mmhandoff.decode.worker import FullMediaDecodeWorker
+    from mmhandoff.decode.full_media import FullMediaDecodeWorker
     from mmhandoff.prefill.worker import PrefillWorker
 
     prefill, _, p, d = dynamo

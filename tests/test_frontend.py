@@ -10,11 +10,13 @@ import time
 import urllib.error
 import urllib.request
 
+import msgspec
 import openai
 import pytest
 
 from mmhandoff.frontend.app import Frontend, FrontendLimits
 from mmhandoff.media.fetch import FetchPolicy
+from mmhandoff.wire.messages import ChatMessage
 from tests.conftest import IMAGE_SERVER_PNG as PNG
 from tests.conftest import data_uri, encode, make_image
 from tests.conftest import serve_app as _start
@@ -73,9 +75,10 @@ def test_chat_with_images_streaming_and_not(loop, open_server, image_server, dyn
                 model=MODEL, messages=asked, max_tokens=12, temperature=0, stream=True)
             if c.choices)
         # reference: the same request through the workers in-process
-        tokens, _, h = loop.run(handoff_run(prefill, decode, "ref", messages(*(same_as or uris)),
-                                            greedy(12)))
-        expected = decode.engine.renderer.get_tokenizer().decode(tokens, skip_special_tokens=True)
+        typed = msgspec.convert(messages(*(same_as or uris)), list[ChatMessage])
+        tokens, _, h = loop.run(handoff_run(prefill, decode, "ref", typed, greedy(12)))
+        tokenizer = decode.engine.llm.renderer.get_tokenizer()
+        expected = tokenizer.decode(tokens, skip_special_tokens=True)
         assert plain.choices[0].message.content == streamed == expected
         assert plain.usage.prompt_tokens == len(h.token_ids)
         assert plain.usage.completion_tokens == len(tokens)
@@ -93,7 +96,7 @@ def test_completions_equal_the_engine_on_the_raw_prompt(loop, server, engines):
         model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True) if c.choices)
 
     async def reference():  # the aggregated engine on the same text, no template
-        async for out in engines.full.generate({"prompt": prompt},
+        async for out in engines.full.llm.generate({"prompt": prompt},
                                                SamplingParams(max_tokens=10, temperature=0),
                                                "cmpl-ref"):
             final = out
@@ -129,11 +132,11 @@ def _engine_states(loop, engines, tag: str) -> dict[str, tuple[float, int]]:
 
     def state(engine, load, name):
         async def poke():
-            async for _ in engine.generate({"prompt": "hi"}, SamplingParams(max_tokens=1),
+            async for _ in engine.llm.generate({"prompt": "hi"}, SamplingParams(max_tokens=1),
                                            f"{tag}-{name}-{time.monotonic()}"):
                 pass
         loop.run(poke())
-        return load.kv_cache_usage, engine.output_processor.get_num_unfinished_requests()
+        return load.kv_cache_usage, engine.llm.output_processor.get_num_unfinished_requests()
 
     return {"prefill": state(engines.prefill, engines.prefill_load, "prefill"),
             "decode": state(engines.decode, engines.decode_load, "decode")}
@@ -184,7 +187,7 @@ def test_metrics_and_cancellation(loop, open_server, engines):
             assert piece, got
             got += piece
         assert b" 200 " in got.split(b"\r\n", 1)[0]
-    running_while = engines.decode.output_processor.get_num_unfinished_requests()
+    running_while = engines.decode.llm.output_processor.get_num_unfinished_requests()
     assert running_while >= 1
 
     state = _back_to(loop, engines, base, within_s=30)
@@ -226,8 +229,8 @@ def test_a_client_that_leaves_during_prefill(loop, open_server, engines):
         time.sleep(0.01)
     # from here prefill would hold the blocks for its lease (8 s): they must be free before
     state = _back_to(loop, engines, base, within_s=engines.lease_s / 2)
-    assert _idle(state, base), (state, base, list(engines.decode.output_processor.request_states),
-                                list(engines.prefill.output_processor.request_states))
+    assert _idle(state, base), (state, base, list(engines.decode.llm.output_processor.request_states),
+                                list(engines.prefill.llm.output_processor.request_states))
 
 
 def _scrape(url: str) -> str:

@@ -20,18 +20,11 @@ from mmhandoff.wire.messages import (
     PrefillStats,
 )
 from tests.conftest import serve_app
+from tests.local_plane import Item
 
 pytestmark = pytest.mark.unit
 
 MODEL = "tiny-llava"
-
-
-class Item:
-    def __init__(self, data) -> None:
-        self._data = data
-
-    def data(self):
-        return self._data
 
 
 class Scripted:

@@ -162,7 +162,7 @@ def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
     assert buf.tell() > 2 * HEAD_BYTES
     body = json.loads(chat_body(data_uri(buf.getvalue(), "image/jpeg")))
     request = asyncio.run(RequestReader(MODEL).chat(body))
-    assert request.messages[0]["content"][0]["image_url"]["url"].startswith("data:image/jpeg")
+    assert request.image_urls()[0].startswith("data:image/jpeg")
     with pytest.raises(ApiError) as refused:  # the pixel limit sees the real size
         asyncio.run(RequestReader(MODEL, FrontendLimits(max_image_pixels=64 * 48 - 1)).chat(body))
     assert (refused.value.status, refused.value.code) == (413, "image_too_large")

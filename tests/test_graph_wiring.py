@@ -12,6 +12,7 @@ from mmhandoff.serving.supervisor import (
     GraphError,
     Supervisor,
     check_config,
+    graph_env,
     load_graph,
 )
 
@@ -80,3 +81,15 @@ def test_a_config_that_wires_is_refused(tmp_path):
     config["components"]["frontend"]["args"][-2:] = ["--prefill=none"]
     with pytest.raises(GraphError, match="--prefill"):
         check_config(load_graph("graphs.disagg:Frontend"), config, "x.yaml", "graphs.disagg")
+
+
+def test_every_graph_run_signs_its_handoffs_with_a_key_of_its_own(tmp_path):
+    from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV
+
+    base = {"PATH": "/bin"}
+    first, second = (graph_env({}, base, tmp_path)[KEY_ENV] for _ in range(2))
+    assert first != second and len(bytes.fromhex(first)) == 32
+    # a key the user gives (the YAML's env, or serve's own environment) is kept
+    assert graph_env({"env": {KEY_ENV: "x" * 32}}, base, tmp_path)[KEY_ENV] == "x" * 32
+    given = graph_env({}, {**base, KEY_FILE_ENV: "/run/secrets/handoff"}, tmp_path)
+    assert KEY_ENV not in given

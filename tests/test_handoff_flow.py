@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from mmhandoff.decode.worker import DecodeWorker, FullMediaDecodeWorker
+from mmhandoff.decode.full_media import FullMediaDecodeWorker
+from mmhandoff.decode.worker import DecodeWorker
 from mmhandoff.prefill.worker import PrefillWorker
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import agg_run, full_media_run, greedy, handoff_run
@@ -127,8 +128,8 @@ def test_decode_engine_has_no_vision_tower(loop, engines):
         model = worker.model_runner.model
         return type(getattr(model, "vision_tower", None)).__name__
 
-    assert loop.run(engines.decode.collective_rpc(tower)) == ["StageMissingLayer"]
-    assert loop.run(engines.full.collective_rpc(tower)) != ["StageMissingLayer"]
+    assert loop.run(engines.decode.llm.collective_rpc(tower)) == ["StageMissingLayer"]
+    assert loop.run(engines.full.llm.collective_rpc(tower)) != ["StageMissingLayer"]
 
 
 def test_an_answer_that_ends_at_its_first_token(loop, workers, engines):

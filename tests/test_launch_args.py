@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmhandoff.serving.launch import engine_spec, parser
+from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV, engine_spec, handoff_key, parser
 from mmhandoff.vllm_adapter.engine import engine_env
 
 pytestmark = pytest.mark.unit
@@ -33,3 +33,48 @@ def test_a_side_channel_host_that_is_not_an_ip_is_refused(monkeypatch, capsys, b
     with pytest.raises(SystemExit) as exit_:
         parser("decode").parse_args(["--nixl-host", bad])
     assert exit_.value.code == 2 and "not an IP address" in capsys.readouterr().err
+
+
+def key_of(argv: list[str]) -> bytes | None:
+    return handoff_key(parser("decode").parse_args(argv))
+
+
+def test_the_handoff_key_comes_from_a_file_or_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.delenv(KEY_FILE_ENV, raising=False)
+    assert key_of([]) is None  # no key: handoffs unsigned (in-process use)
+    monkeypatch.setenv(KEY_ENV, "k" * 32)
+    assert key_of([]) == b"k" * 32
+    secret = tmp_path / "key"
+    secret.write_bytes(b"s" * 40 + b"\n")  # as `kubectl create secret --from-file` mounts it
+    assert key_of(["--handoff-key-file", str(secret)]) == b"s" * 40  # the file wins
+    monkeypatch.setenv(KEY_FILE_ENV, str(secret))
+    assert key_of([]) == b"s" * 40
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.write_bytes(b"short\n"), "at least 16"),
+    (lambda p: None, "No such file"),
+])
+def test_a_bad_handoff_key_stops_the_component(monkeypatch, tmp_path, make, message):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    make(tmp_path / "key")
+    with pytest.raises(SystemExit, match=message):
+        key_of(["--handoff-key-file", str(tmp_path / "key")])
+
+
+def test_engine_arguments_pass_through_typed():
+    args = parser("prefill").parse_args([
+        "--model", "m", "--engine-arg", "gpu_memory_utilization=0.3",
+        "--engine-arg", "max_num_batched_tokens=4096", "--engine-arg", "tokenizer_mode=slow",
+        "--engine-arg", 'limit_mm_per_prompt={"image": 2}'])
+    assert engine_spec(args, "prefill").extra == {
+        "gpu_memory_utilization": 0.3, "max_num_batched_tokens": 4096,
+        "tokenizer_mode": "slow", "limit_mm_per_prompt": {"image": 2}}
+
+
+@pytest.mark.parametrize("bad", ["no-equals", "=1", "two words=1"])
+def test_an_engine_argument_that_is_not_name_value_is_refused(capsys, bad):
+    with pytest.raises(SystemExit):
+        parser("decode").parse_args(["--engine-arg", bad])
+    assert "expected NAME=VALUE" in capsys.readouterr().err

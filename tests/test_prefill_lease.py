@@ -19,7 +19,7 @@ pytestmark = pytest.mark.engine
 def _usage_after_step(loop, engine, load, tag):
     """Run one tiny text request so the engine steps (and frees what it may), return KV usage."""
     async def poke():
-        async for _ in engine.generate({"prompt": "hi"}, SamplingParams(max_tokens=1), tag):
+        async for _ in engine.llm.generate({"prompt": "hi"}, SamplingParams(max_tokens=1), tag):
             pass
 
     loop.run(poke())

@@ -99,11 +99,9 @@ def test_engine_compute_threads_stay_on_their_cores(engines):
 
     import psutil
 
-    from mmhandoff.vllm_adapter import engine_core_pids
-
     for name, engine, cores in (("prefill", engines.prefill, {0}), ("decode", engines.decode, {1}),
                                 ("full", engines.full, {1})):
-        (core_pid,) = engine_core_pids(engine)
+        (core_pid,) = engine.core_pids()
         workers = [p for p in psutil.Process(core_pid).children(recursive=True)
                    if p.name() == "VLLM::Worker"]
         assert workers, name
@@ -221,7 +219,7 @@ def test_engine_processes_stop_spinning_after_a_request(loop, engines):
 
     async def one(i: int) -> None:
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
-        async for _ in engine.generate("a b c d", params, f"spin-{i}"):
+        async for _ in engine.llm.generate("a b c d", params, f"spin-{i}"):
             pass
 
     for i in range(5):
@@ -258,3 +256,28 @@ def test_process_teardown_parts_used_by_the_fast_exit_plugin():
     # a spawned child's last step, which the plugin turns into os._exit
     assert inspect.getsource(multiprocessing.spawn.spawn_main).rstrip().endswith(
         "sys.exit(exitcode)")
+
+
+def test_what_the_vllm_engine_reads_of_vllm(engines):
+    """VllmEngine (vllm_engine.py) and inputs.py read these of vLLM's AsyncLLM and its outputs;
+    and the capabilities it derives from them are each role's."""
+    import dataclasses
+
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from mmhandoff.engine import Capabilities
+
+    llm = engines.decode.llm
+    for name in ("model_config", "renderer", "input_processor", "generate", "abort",
+                 "get_supported_tasks", "errored", "output_handler", "engine_core", "shutdown"):
+        assert hasattr(llm, name), f"AsyncLLM.{name} is gone"
+    for name in ("uses_mrope", "is_encoder_decoder", "multimodal_config", "hf_config", "dtype"):
+        assert hasattr(llm.model_config, name), f"ModelConfig.{name} is gone"
+    for name in ("get_tokenizer", "render_cmpl_async"):
+        assert hasattr(llm.renderer, name), f"the renderer's {name} is gone"
+    assert {"outputs", "finished", "prompt_token_ids", "kv_transfer_params"} <= set(
+        _params(RequestOutput.__init__))
+    assert {"token_ids", "text", "finish_reason", "stop_reason"} <= {
+        f.name for f in dataclasses.fields(CompletionOutput)}
+    assert engines.decode.capabilities == Capabilities(vision=False)
+    assert engines.prefill.capabilities == engines.full.capabilities == Capabilities()

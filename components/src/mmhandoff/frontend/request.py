@@ -1,9 +1,9 @@
 """Reading an OpenAI request body into a PrefillRequest: every check the frontend makes before
 anything starts. Each refusal is an `ApiError` (status, OpenAI-style code); nothing is sent on.
 
-Messages are rebuilt from what they may hold (text parts and image_url parts), so a client cannot
-pass a worker-only form through (e.g. an image given as a server-side file path). Image URLs are
-fetched here, behind mmhandoff.media.fetch's guard, and travel on as data URIs: workers never
+Messages are parsed here, once, into typed parts (mmhandoff.wire.messages: text and image_url
+parts only), so a client cannot pass any other form through (e.g. a server-side file path).
+Image URLs are fetched here, behind mmhandoff.media.fetch's guard, and travel on as data URIs: workers never
 open a connection for a client.
 """
 
@@ -27,7 +27,7 @@ from mmhandoff.media.images import (
     peek_data_uri,
 )
 from mmhandoff.wire.handoff import Sampling
-from mmhandoff.wire.messages import PrefillRequest
+from mmhandoff.wire.messages import ChatMessage, ImagePart, ImageURL, PrefillRequest, TextPart
 
 
 @dataclass(frozen=True)
@@ -76,19 +76,15 @@ class RequestReader:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list", "invalid_messages")
-        rebuilt, urls = [], []
-        for message in messages:
-            rebuilt.append(self._message(message, urls))
-        if len(urls) > self.limits.max_images:
-            raise ApiError(400, f"{len(urls)} images; at most {self.limits.max_images} per "
+        typed = [self._message(m) for m in messages]
+        images = [p for m in typed for p in m.parts() if isinstance(p, ImagePart)]
+        if len(images) > self.limits.max_images:
+            raise ApiError(400, f"{len(images)} images; at most {self.limits.max_images} per "
                                 "request", "too_many_images")
-        data = await asyncio.gather(*(self._image(u) for u in urls))
-        uris = iter(data)
-        for message in rebuilt:  # image parts now carry checked data URIs
-            for part in message["content"] if isinstance(message["content"], list) else ():
-                if part["type"] == "image_url":
-                    part["image_url"] = {"url": next(uris)}
-        return PrefillRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=rebuilt,
+        uris = await asyncio.gather(*(self._image(p.image_url.url) for p in images))
+        for part, uri in zip(images, uris):  # image parts now carry checked data URIs
+            part.image_url.url = uri
+        return PrefillRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=typed,
                               sampling=self._sampling(body))
 
     async def completion(self, body: Any) -> PrefillRequest:
@@ -113,33 +109,32 @@ class RequestReader:
             raise ApiError(404, f"model {body.get('model')!r} does not exist; this server serves "
                                 f"{self.model!r}", "model_not_found")
 
-    def _message(self, message: Any, urls: list[str]) -> dict:
+    def _message(self, message: Any) -> ChatMessage:
         if not isinstance(message, dict) or message.get("role") not in (
                 "system", "user", "assistant"):
             raise ApiError(400, "each message needs a role: system, user or assistant",
                            "invalid_messages")
         content = message.get("content")
         if isinstance(content, str):
-            return {"role": message["role"], "content": content}
+            return ChatMessage(message["role"], content)
         if not isinstance(content, list):
             raise ApiError(400, "message content must be a string or a list of parts",
                            "invalid_messages")
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
-            elif kind == "image_url":
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str) or not url:
-                    raise ApiError(400, "image_url needs a url", "invalid_image")
-                urls.append(url)
-                parts.append({"type": "image_url"})
-            else:
-                raise ApiError(400, f"unsupported content part {kind!r}: text and image_url are "
-                                    "supported", "invalid_content_part")
-        return {"role": message["role"], "content": parts}
+        return ChatMessage(message["role"], [self._part(p) for p in content])
+
+    @staticmethod
+    def _part(part: Any) -> TextPart | ImagePart:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            return TextPart(part["text"])
+        if kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise ApiError(400, "image_url needs a url", "invalid_image")
+            return ImagePart(ImageURL(url))
+        raise ApiError(400, f"unsupported content part {kind!r}: text and image_url are "
+                            "supported", "invalid_content_part")
 
     async def _image(self, url: str) -> str:
         """A checked data URI for an image given as a data URI or an http(s) URL."""

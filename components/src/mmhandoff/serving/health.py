@@ -52,9 +52,7 @@ def free_system_port() -> int:
 
 async def watch_engine(rt, engine, name: str, interval_s: float = INTERVAL_S) -> str:
     """Returns the cause once `engine` is dead, after marking this process not ready."""
-    from mmhandoff.vllm_adapter import engine_dead_cause
-
-    while (cause := engine_dead_cause(engine)) is None:
+    while (cause := engine.dead_cause()) is None:
         await asyncio.sleep(interval_s)
     rt.set_health_status(False)
     print(f"[{name}] engine died ({cause}): not ready; exiting with {ENGINE_DEAD}",

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import json
 import os
 import signal
 import sys
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 
 def parser(role: str) -> argparse.ArgumentParser:
@@ -32,7 +34,49 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--request-plane", help='Dynamo request plane ("tcp" or "nats")')
     p.add_argument("--full-media", action="store_true",
                    help="benchmark arm: prefill hands decode the media; decode re-processes it")
+    p.add_argument("--handoff-key-file", default=os.environ.get(KEY_FILE_ENV),
+                   help="prefill signs each handoff with this key, decode refuses any handoff "
+                        f"not signed with it (default ${KEY_FILE_ENV}; or the key itself in "
+                        f"${KEY_ENV}, e.g. from a Kubernetes Secret)")
+    p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg,
+                   metavar="NAME=VALUE",
+                   help="passed to vLLM's engine arguments as is, after mmhandoff's own (VALUE "
+                        'is JSON when it parses, else a string), e.g. "gpu_memory_utilization='
+                        '0.3"; repeat for more')
     return p
+
+
+KEY_ENV, KEY_FILE_ENV = "MMHANDOFF_HANDOFF_KEY", "MMHANDOFF_HANDOFF_KEY_FILE"
+MIN_KEY_BYTES = 16
+
+
+def handoff_key(args: argparse.Namespace) -> bytes | None:
+    """The handoff signing key from --handoff-key-file or $MMHANDOFF_HANDOFF_KEY (None: no
+    signing). A key too short to be a secret is refused, not used."""
+    if args.handoff_key_file:
+        try:
+            key = Path(args.handoff_key_file).read_bytes().strip()
+        except OSError as e:
+            raise SystemExit(f"--handoff-key-file: {e}") from None
+        source = args.handoff_key_file
+    elif os.environ.get(KEY_ENV):
+        key, source = os.environ[KEY_ENV].strip().encode(), f"${KEY_ENV}"
+    else:
+        return None
+    if len(key) < MIN_KEY_BYTES:
+        raise SystemExit(f"the handoff key in {source} is {len(key)} bytes; at least "
+                         f"{MIN_KEY_BYTES} are needed")
+    return key
+
+
+def _engine_arg(value: str) -> tuple[str, Any]:
+    name, sep, raw = value.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {value!r}")
+    try:
+        return name, json.loads(raw)
+    except ValueError:
+        return name, raw
 
 
 def _ip(value: str) -> str:
@@ -50,7 +94,8 @@ def engine_spec(args: argparse.Namespace, role: str):
 
     return EngineSpec(model=args.model or str(ensure_tiny_model()), role=role,
                       cpu_cores=args.cpu_cores, nixl_port=args.nixl_port,
-                      nixl_host=args.nixl_host, kv_lease_s=args.kv_lease_s)
+                      nixl_host=args.nixl_host, kv_lease_s=args.kv_lease_s,
+                      extra=dict(args.engine_arg))
 
 
 def run(role: str, spec_role: str | Callable, endpoint: str, make_handler: Callable,
@@ -74,6 +119,7 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
     from mmhandoff.vllm_adapter import start_engine
 
     spec = engine_spec(args, spec_role(args) if callable(spec_role) else spec_role)
+    args.handoff_key = handoff_key(args)  # before the engine starts: a bad key fails at once
     start_not_ready()
     engine = start_engine(spec)
     rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,

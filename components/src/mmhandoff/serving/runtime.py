@@ -72,12 +72,12 @@ def runtime(loop: asyncio.AbstractEventLoop, *, discovery: str | None = None,
         request_plane or os.environ.get("MMHANDOFF_REQUEST_PLANE", "tcp"))
 
 
-def serve(rt, path: str, handler: Callable[[Any], AsyncIterator[Any]],
-          errors: tuple[type[BaseException], ...]) -> asyncio.Future:
-    """Serve `handler` at `path` ("namespace.component.endpoint"). Exceptions of the `errors`
-    types become error envelopes; anything else is logged by Dynamo and fails the stream. When
-    the caller stops the stream (client gone), the handler is closed at its next item, which is
-    where workers abort their engine request and free its KV."""
+def endpoint_handler(handler: Callable[[Any], AsyncIterator[Any]],
+                     errors: tuple[type[BaseException], ...]) -> Callable:
+    """`handler` as a Dynamo endpoint: exceptions of the `errors` types become error envelopes;
+    anything else fails the stream. When the caller stops the stream (client gone), the handler
+    is closed at its next item, which is where workers abort their engine request and free its
+    KV."""
 
     async def endpoint(request, context=None):
         items = handler(request)
@@ -91,6 +91,13 @@ def serve(rt, path: str, handler: Callable[[Any], AsyncIterator[Any]],
         finally:
             await items.aclose()
 
+    return endpoint
+
+
+def serve(rt, path: str, handler: Callable[[Any], AsyncIterator[Any]],
+          errors: tuple[type[BaseException], ...]) -> asyncio.Future:
+    """Serve `handler` at `path` ("namespace.component.endpoint"); see endpoint_handler."""
+    endpoint = endpoint_handler(handler, errors)
     return asyncio.ensure_future(rt.endpoint(path).serve_endpoint(endpoint))
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -30,10 +31,12 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from typing import Mapping
 from pathlib import Path
 
 from mmhandoff.serving.graph import Component
 from mmhandoff.serving.health import ENGINE_DEAD, free_system_port
+from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV
 
 GRACE_S = 60.0  # for the whole stop: long enough for in-flight answers to finish
 
@@ -120,6 +123,17 @@ def runtime_env(config: dict) -> dict[str, str]:
     return env
 
 
+def graph_env(config: dict, base: Mapping[str, str], run_dir: Path) -> dict[str, str]:
+    """The environment every process of a graph run starts with."""
+    env = dict(base, DYN_FILE_KV=str(run_dir / "discovery"), **runtime_env(config),
+               **{k: str(v) for k, v in (config.get("env") or {}).items()})
+    if not (env.get(KEY_ENV) or env.get(KEY_FILE_ENV)):
+        # Handoffs are signed: one fresh key per graph run, shared by its processes only (they
+        # inherit it; nothing writes it down).
+        env[KEY_ENV] = secrets.token_hex(32)
+    return env
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -161,9 +175,7 @@ class Supervisor:
         return [sys.executable, "-m", f"mmhandoff.{component.module}", *args]
 
     def start(self) -> None:
-        env = dict(os.environ, DYN_FILE_KV=str(self.run_dir / "discovery"),
-                   **runtime_env(self.config),
-                   **{k: str(v) for k, v in (self.config.get("env") or {}).items()})
+        env = graph_env(self.config, os.environ, self.run_dir)
         for component in self.components:
             spec = self.config.get("components", {}).get(component.module) or {}
             for i in range(int(spec.get("replicas", 1))):

@@ -162,8 +162,16 @@ def _patched_environ(values: dict[str, str]) -> Iterator[None]:
 
 
 def start_engine(spec: EngineSpec, load=None):
-    """Start an AsyncLLM for `spec` (blocks until its core is up, ~25 s for the tiny model on CPU).
-    `load`, an EngineLoad, is kept up to date with the engine's scheduler stats."""
+    """Start the engine for `spec` (blocks until its core is up, ~25 s for the tiny model on
+    CPU): a VllmEngine, the mmhandoff.engine.Engine the workers use. `load`, an EngineLoad, is
+    kept up to date with the engine's scheduler stats."""
+    from mmhandoff.vllm_adapter.vllm_engine import VllmEngine
+
+    return VllmEngine(start_llm(spec, load))
+
+
+def start_llm(spec: EngineSpec, load=None):
+    """vLLM's AsyncLLM for `spec`."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     loggers = [load.logger_factory()] if load is not None else None

@@ -9,17 +9,51 @@ import msgspec
 from mmhandoff.wire.handoff import Handoff, Sampling
 
 
+class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    text: str
+
+
+class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True):
+    """An image, in OpenAI's form. Between components `url` is always a data URI (the frontend
+    fetched and checked it); in-process callers may also name a local file."""
+
+    image_url: ImageURL
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart | ImagePart]
+
+    def parts(self) -> list[TextPart | ImagePart]:
+        return [TextPart(self.content)] if isinstance(self.content, str) else self.content
+
+
+def user(text: str, *image_urls: str) -> ChatMessage:
+    """A user turn: the images first, then the text (the order the tiny LLaVA template expects)."""
+    return ChatMessage("user", [*(ImagePart(ImageURL(u)) for u in image_urls), TextPart(text)])
+
+
 class PrefillRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Chat messages in OpenAI form, or (completions) a raw `prompt` with no chat template and
-    no images. An image part is `{"type": "image_url", "image_url": {"url": "data:image/...;
-    base64,..."}}`; in-process callers may also give `{"type": "image", "image": "<local path>"}`
-    (the network endpoint takes data URIs only)."""
+    """Chat messages (parsed once, at the frontend), or (completions) a raw `prompt` with no chat
+    template and no images."""
 
     request_id: str
-    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    messages: list[ChatMessage] = msgspec.field(default_factory=list)
     prompt: str | None = None
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (not self.messages):
+            raise ValueError("a prefill request has messages or a prompt: exactly one")
+
+    def image_urls(self) -> list[str]:
+        return [p.image_url.url for m in self.messages for p in m.parts()
+                if isinstance(p, ImagePart)]
 
 
 class PrefillStats(msgspec.Struct, kw_only=True):

@@ -1,0 +1,103 @@
+"""The engine interface the workers use. mmhandoff.vllm_adapter implements it with vLLM;
+mmhandoff.engine.fake implements it with a deterministic stand-in for the fast tests.
+
+Lifecycle of an engine: started by its implementation (`VllmEngine.start(spec)`), then any
+number of concurrent requests, then `shutdown()`. While it serves, `dead_cause()` says why it can
+serve no more (None while it can). One request:
+
+    prompt = engine.chat_prompt(conversation)            # the model's chat template, as text
+    rendered = await engine.render(prompt, images)       # token ids; one hash + span per image
+    request = engine.request(rendered, sampling)         # or: await engine.kv_only(handoff, id)
+    async for step in engine.generate(request, id): ...  # typed steps, the last one finished
+    await engine.abort(id)                               # frees its blocks; no-op once finished
+
+Closing the `generate` iterator early does not abort the request: the caller aborts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol, Sequence
+
+from mmhandoff.media.images import LoadedImage
+from mmhandoff.wire.handoff import Features, Handoff, Sampling
+
+
+class EngineInputError(ValueError):
+    """The engine refuses a request as given (e.g. longer than the model's context): the
+    client's fault when the request came from a client."""
+
+    code = "invalid_request"
+    fault = "client"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a KV-only decode depends on."""
+
+    mrope: bool = False  # positions derive from each image's grid (Qwen-VL): not in a handoff
+    encoder_decoder: bool = False  # decode would need the encoder's output
+    vision: bool = True  # the engine built its vision tower (a KV-only decode engine has none)
+
+
+@dataclass
+class Rendered:
+    """A prompt as the engine will run it."""
+
+    token_ids: list[int]
+    features: Features  # one content hash and one placeholder span per image
+    engine_input: Any  # the implementation's own form, handed back to `request`
+
+
+@dataclass
+class Step:
+    """What one engine step adds to a request's output."""
+
+    token_ids: list[int]  # new since the previous step
+    text: str  # new text since the previous step
+    finish_reason: str | None = None  # set on the last step only
+    prompt_tokens: int = 0
+    # last step only:
+    kv_transfer_params: dict[str, Any] | None = None  # prefill: the blocks decode will pull
+    kv_failure: str | None = None  # a KV-only request whose KV did not cover the images: why
+    kv_stats: dict[str, int] = field(default_factory=dict)  # prompt tokens: local/external/covered
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine(Protocol):
+    fingerprint: str  # identity of what it computes: prefill's and decode's must be equal
+    capabilities: Capabilities
+
+    def chat_prompt(self, conversation: list[dict[str, Any]]) -> str:
+        """The chat template applied to messages whose image parts are `{"type": "image"}`."""
+        ...
+
+    async def render(self, prompt: str, images: Sequence[LoadedImage]) -> Rendered:
+        """Tokenize `prompt` and expand its image placeholders; each image's identity is its
+        content hash."""
+        ...
+
+    def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
+                kv_transfer_params: dict[str, Any] | None = None) -> Any:
+        """A request for `rendered` (prefill, agg, and the full-media arm)."""
+        ...
+
+    async def kv_only(self, handoff: Handoff, request_id: str) -> Any:
+        """A request that computes nothing the handoff's KV covers and has no media.
+        Raises EngineInputError when the engine's own input checks refuse it."""
+        ...
+
+    def generate(self, request: Any, request_id: str) -> AsyncIterator[Step]:
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        ...
+
+    def dead_cause(self) -> str | None:
+        ...
+
+    def shutdown(self) -> None:
+        ...

@@ -1,0 +1,165 @@
+"""FakeEngine: a deterministic mmhandoff.engine.Engine without a model, for fast tests of the
+logic around engines (workers, frontend, retries, refusals). Never the only test of a path: the
+engine tier runs the same paths on vLLM.
+
+- Tokens: one per whitespace-separated word (a stable hash), and IMAGE_TOKENS placeholder
+  tokens per "<image>" in the prompt, one image each, identified by its content hash.
+- Answers: token k of an answer is a hash of (prompt token ids, image hashes, k). An agg request
+  and a handoff of the same prompt and images therefore give the same answer, and different
+  images give different answers. Sampling settings other than max_tokens are not modelled.
+- KV: engines built on one FakeKV share it, like engines that reach each other through NIXL. A
+  prefill request (kv_transfer_params `do_remote_decode`) leaves its prompt's KV there under a
+  fresh key; a request that names such a key takes it (once). A KV-only request whose key is not
+  there ends as vLLM's fail-closed scheduler ends it: finish reason "error" and a kv_failure.
+- Roles as in EngineSpec: a "decode" engine has no vision tower and refuses images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+from mmhandoff.engine import Capabilities, EngineInputError, Rendered, Step
+from mmhandoff.media.images import LoadedImage
+from mmhandoff.wire.handoff import Features, Handoff, Sampling, Span
+
+IMAGE = "<image>"
+IMAGE_TOKENS = 4
+IMAGE_TOKEN_ID = 3
+VOCAB = 1000
+
+
+def _h(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big")
+
+
+def _word(word: str) -> int:
+    return 10 + _h("word", word) % (VOCAB - 10)
+
+
+@dataclass
+class FakeKV:
+    """KV blocks left by prefill requests, by key: what decode pulls."""
+
+    blocks: dict[str, tuple[list[int], list[str]]] = field(default_factory=dict)
+
+
+@dataclass
+class FakeRequest:
+    token_ids: list[int]
+    image_hashes: list[str]
+    max_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+    kv_only: bool = False
+
+
+class FakeEngine:
+    def __init__(self, *, role: str = "agg", kv: FakeKV | None = None, model: str = "fake",
+                 max_model_len: int = 2048, step_s: float = 0.0, pull_s: float = 0.0,
+                 mrope: bool = False) -> None:
+        """`step_s`: time per generated token; `pull_s`: time to pull KV before the first one."""
+        self.role = role
+        self.kv = kv if kv is not None else FakeKV()
+        self.max_model_len = max_model_len
+        self.step_s, self.pull_s = step_s, pull_s
+        self.fingerprint = hashlib.sha256(f"fake:{model}".encode()).hexdigest()
+        self.capabilities = Capabilities(mrope=mrope, vision=role != "decode")
+        self.running: set[str] = set()  # unfinished request ids: a test checks nothing leaks
+        self.aborted: list[str] = []  # every abort asked for
+        self._dead: str | None = None
+
+    # ---- Engine ---------------------------------------------------------------------------
+    def chat_prompt(self, conversation: list[dict[str, Any]]) -> str:
+        out = []
+        for m in conversation:
+            content = m["content"]
+            if not isinstance(content, str):
+                content = " ".join(IMAGE if p["type"] == "image" else p["text"] for p in content)
+            out.append(f"<|{m['role']}|> {content}")
+        return " ".join(out) + " <|assistant|>"
+
+    async def render(self, prompt: str, images: Sequence[LoadedImage]) -> Rendered:
+        pieces = prompt.split(IMAGE)
+        if len(pieces) - 1 != len(images):
+            raise EngineInputError(f"{len(pieces) - 1} image placeholders, {len(images)} images")
+        if images and not self.capabilities.vision:
+            raise EngineInputError("this engine has no vision tower")
+        ids: list[int] = []
+        spans = []
+        for n, piece in enumerate(pieces):
+            ids += [_word(w) for w in piece.split()]
+            if n < len(images):
+                spans.append(Span(offset=len(ids), length=IMAGE_TOKENS))
+                ids += [IMAGE_TOKEN_ID] * IMAGE_TOKENS
+        self._check_length(ids)
+        hashes = [i.content_hash for i in images]
+        features = Features(mm_hashes={"image": hashes} if images else {},
+                            mm_placeholders={"image": spans} if images else {})
+        return Rendered(ids, features, hashes)
+
+    def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
+                kv_transfer_params: dict[str, Any] | None = None) -> FakeRequest:
+        return FakeRequest(list(rendered.token_ids), list(rendered.engine_input),
+                           sampling.max_tokens if max_tokens is None else max_tokens,
+                           kv_transfer_params)
+
+    async def kv_only(self, handoff: Handoff, request_id: str) -> FakeRequest:
+        self._check_length(handoff.token_ids)
+        return FakeRequest(list(handoff.token_ids), list(handoff.features.mm_hashes.get(
+            "image", [])), handoff.sampling.max_tokens, dict(handoff.kv_transfer_params),
+            kv_only=True)
+
+    async def generate(self, request: FakeRequest, request_id: str) -> AsyncIterator[Step]:
+        if self._dead:
+            raise RuntimeError(f"engine is dead: {self._dead}")
+        self.running.add(request_id)
+        try:
+            params = request.kv_transfer_params or {}
+            key = params.get("fake_kv")
+            if key is not None:  # a pull from another engine
+                await asyncio.sleep(self.pull_s)
+                if self.kv.blocks.pop(key, None) is None and request.kv_only:
+                    yield Step([], "", finish_reason="error",
+                               prompt_tokens=len(request.token_ids),
+                               kv_failure="kv_load_failed: the blocks are not there")
+                    return
+            for k in range(request.max_tokens):
+                await asyncio.sleep(self.step_s)
+                if request_id in self.aborted:
+                    return
+                token = 10 + _h(request.token_ids, request.image_hashes, k) % (VOCAB - 10)
+                last = k == request.max_tokens - 1
+                step = Step([token], f" w{token}", prompt_tokens=len(request.token_ids))
+                if last:
+                    step.finish_reason = "length"
+                    pulled = len(request.token_ids) if key is not None else 0
+                    step.kv_stats = {"local": len(request.token_ids) - pulled,
+                                     "external": pulled, "covered": len(request.token_ids)}
+                    if params.get("do_remote_decode"):
+                        new_key = uuid.uuid4().hex
+                        self.kv.blocks[new_key] = (request.token_ids, request.image_hashes)
+                        step.kv_transfer_params = {"fake_kv": new_key}
+                yield step
+        finally:
+            self.running.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)  # every call, as asked: a finished one is a no-op
+
+    def dead_cause(self) -> str | None:
+        return self._dead
+
+    def shutdown(self) -> None:
+        self._dead = self._dead or "shut down"
+
+    # ---- for tests ----------------------------------------------------------------------------
+    def kill(self, cause: str = "engine core process is gone") -> None:
+        self._dead = cause
+
+    def _check_length(self, ids: list[int]) -> None:
+        if len(ids) >= self.max_model_len:
+            raise EngineInputError(f"the prompt ({len(ids)} tokens) is longer than the model's "
+                                   f"maximum context ({self.max_model_len} tokens)")

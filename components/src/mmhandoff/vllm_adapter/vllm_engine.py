@@ -1,0 +1,126 @@
+"""mmhandoff.engine.Engine on a vLLM AsyncLLM: the one object the workers hold."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Sequence
+
+from mmhandoff.engine import Capabilities, EngineInputError, Rendered, Step
+from mmhandoff.media.images import LoadedImage
+from mmhandoff.vllm_adapter.inputs import (
+    kv_coverage_cause,
+    kv_only_request,
+    kv_stats,
+    model_fingerprint,
+    render_prompt,
+    sampling_params,
+)
+from mmhandoff.wire.handoff import Handoff, Sampling
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """What vLLM raises for a request it refuses as given. Its own validation error is not a
+    ValueError (vLLM 0.31); older versions raise ValueError only."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
+
+
+class VllmEngine:
+    def __init__(self, llm) -> None:
+        self.llm = llm  # vLLM's AsyncLLM: for the adapter and the engine-tier tests only
+        mc = llm.model_config
+        mm = mc.multimodal_config
+        self.capabilities = Capabilities(
+            mrope=bool(mc.uses_mrope), encoder_decoder=bool(mc.is_encoder_decoder),
+            vision=mm is not None and mm.get_limit_per_prompt("image") > 0)
+        self.fingerprint = model_fingerprint(llm)
+        self._tokenizer = llm.renderer.get_tokenizer()
+        self._tasks: tuple | None = None  # vLLM's supported tasks: an engine RPC, asked once
+        self._refused = _client_errors()
+
+    @classmethod
+    def start(cls, spec, load=None) -> "VllmEngine":
+        from mmhandoff.vllm_adapter.engine import start_llm
+
+        return cls(start_llm(spec, load))
+
+    def chat_prompt(self, conversation: list[dict[str, Any]]) -> str:
+        return self._tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True)
+
+    async def render(self, prompt: str, images: Sequence[LoadedImage]) -> Rendered:
+        try:
+            r = await render_prompt(self.llm, prompt, [i.image for i in images],
+                                    [i.content_hash for i in images])
+        except self._refused as e:
+            raise EngineInputError(str(e)) from None
+        return Rendered(r.token_ids, r.features, r.engine_input)
+
+    def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
+                kv_transfer_params: dict[str, Any] | None = None) -> Any:
+        return rendered.engine_input, sampling_params(
+            sampling, max_tokens=max_tokens, kv_transfer_params=kv_transfer_params)
+
+    async def kv_only(self, handoff: Handoff, request_id: str) -> Any:
+        if self._tasks is None:
+            self._tasks = tuple(await self.llm.get_supported_tasks())
+        try:
+            request = kv_only_request(self.llm, handoff, request_id, self._tasks)
+        except self._refused as e:  # vLLM's input checks, e.g. longer than max_model_len
+            raise EngineInputError(str(e)) from None
+        return request, request.sampling_params
+
+    async def generate(self, request: Any, request_id: str) -> AsyncIterator[Step]:
+        engine_input, params = request
+        stream = self.llm.generate(engine_input, params, request_id)
+        sent_ids = sent_text = 0
+        started = False
+        try:
+            while True:
+                try:
+                    output = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except self._refused as e:
+                    if started:  # a refusal is raised before the first output, never after
+                        raise
+                    raise EngineInputError(str(e)) from None
+                started = True
+                completion = output.outputs[0] if output.outputs else None
+                # vLLM hands out its live token list (it keeps growing while the caller is
+                # suspended): take the counts now.
+                ids = list(completion.token_ids) if completion else []
+                text = completion.text if completion else ""
+                step = Step(ids[sent_ids:], text[sent_text:],
+                            prompt_tokens=len(output.prompt_token_ids or ()))
+                sent_ids, sent_text = len(ids), len(text)
+                if output.finished:
+                    reason = completion.finish_reason if completion else None
+                    step.finish_reason = reason or "stop"
+                    step.kv_transfer_params = output.kv_transfer_params
+                    step.kv_failure = kv_coverage_cause(output)
+                    step.kv_stats = kv_stats(output)
+                yield step
+                if output.finished:
+                    return
+        finally:
+            await stream.aclose()  # closing vLLM's stream early aborts the request there
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    def dead_cause(self) -> str | None:
+        from mmhandoff.vllm_adapter.engine import engine_dead_cause
+
+        return engine_dead_cause(self.llm)
+
+    def core_pids(self) -> list[int]:
+        """The engine core processes (each one's model workers are its children)."""
+        from mmhandoff.vllm_adapter.engine import engine_core_pids
+
+        return engine_core_pids(self.llm)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
