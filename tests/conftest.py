@@ -128,16 +128,16 @@ def dynamo_rt(loop, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def dynamo(loop, engines, dynamo_rt):
-    from mmhandoff.decode.worker import DecodeWorker, KVCoverageError
+    from mmhandoff.decode.worker import ERRORS as DECODE_ERRORS
+    from mmhandoff.decode.worker import DecodeWorker
     from mmhandoff.prefill.worker import ERRORS, PrefillWorker
     from mmhandoff.serving.runtime import client, serve
-    from mmhandoff.wire.handoff import HandoffError
 
     prefill, decode = PrefillWorker(engines.prefill), DecodeWorker(engines.decode)
 
     async def up():
         serve(dynamo_rt, "mmhtest.prefill.generate", prefill.handle, ERRORS)
-        serve(dynamo_rt, "mmhtest.decode.generate", decode.handle, (HandoffError, KVCoverageError))
+        serve(dynamo_rt, "mmhtest.decode.generate", decode.handle, DECODE_ERRORS)
         return await client(dynamo_rt, "mmhtest.prefill.generate"), await client(
             dynamo_rt, "mmhtest.decode.generate")
 

@@ -107,6 +107,19 @@ def test_completions_equal_the_engine_on_the_raw_prompt(loop, server, engines):
     assert plain.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "seven " * 3000}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "seven " * 3000}]}),
+])
+def test_a_prompt_longer_than_the_model_is_a_400(server, path, body):
+    """vLLM's own check (the tiny model's context is 2048 tokens) refuses it; the client's
+    fault, and the server keeps serving."""
+    status, got = post(server, json.dumps({"model": MODEL, "max_tokens": 4, **body}).encode(),
+                       path)
+    assert (status, got["error"]["code"]) == (400, "invalid_request"), got
+    assert "2048" in got["error"]["message"]
+    ok_status, ok = post(server, chat_body(GOOD))
+    assert ok_status == 200 and ok["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 @pytest.mark.parametrize("case", ["invalid json", "pixels", "URL to metadata", "bad max_tokens"])

@@ -16,6 +16,7 @@ import pytest
 from mmhandoff.agg.worker import AggWorker
 from mmhandoff.decode.full_media import FullMediaDecodeWorker
 from mmhandoff.decode.stream import KVCoverageError, collect
+from mmhandoff.decode.worker import ERRORS as DECODE_ERRORS
 from mmhandoff.decode.worker import DecodeWorker, UnsupportedModel
 from mmhandoff.engine import EngineInputError
 from mmhandoff.engine.fake import FakeEngine, FakeKV
@@ -196,7 +197,7 @@ def graph(loop):
     kv = FakeKV()
     prefill, decode = tiers(kv)
     p = LocalClient(prefill.handle, PREFILL_ERRORS)
-    d = LocalClient(decode.handle, (HandoffError, KVCoverageError, EngineInputError))
+    d = LocalClient(decode.handle, DECODE_ERRORS)
     runner = Frontend(p, d, MODEL).runner()
     url = serve_app(loop, runner)
     yield url, prefill, decode, p, d

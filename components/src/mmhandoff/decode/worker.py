@@ -18,7 +18,13 @@ import msgspec
 
 from mmhandoff.decode.stream import KVCoverageError, collect, stream_answer
 from mmhandoff.engine import Engine, EngineInputError
-from mmhandoff.wire.handoff import Handoff, check_admission, decode_handoff, encode_handoff
+from mmhandoff.wire.handoff import (
+    Handoff,
+    HandoffError,
+    check_admission,
+    decode_handoff,
+    encode_handoff,
+)
 from mmhandoff.wire.messages import DecodeChunk
 
 __all__ = ["DecodeWorker", "KVCoverageError", "UnsupportedModel", "collect"]
@@ -68,12 +74,12 @@ class DecodeWorker:
 
 
 ENDPOINT = "decode.generate"
+ERRORS = (HandoffError, KVCoverageError, EngineInputError)
 
 
 def main(argv: list[str] | None = None) -> int:
     from mmhandoff.decode.full_media import FullMediaDecodeWorker, InvalidFullMedia
     from mmhandoff.serving.launch import run
-    from mmhandoff.wire.handoff import HandoffError
 
     def make_handler(engine, args):
         if args.full_media:
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     return run("decode", lambda a: "full_media_decode" if a.full_media else "decode",
                ENDPOINT, make_handler,
-               (HandoffError, KVCoverageError, EngineInputError, InvalidFullMedia), argv)
+               (*ERRORS, InvalidFullMedia), argv)
 
 
 if __name__ == "__main__":
