@@ -271,3 +271,11 @@ def test_signed_handoffs_verify_only_with_the_same_key(loop):
             run(loop, collect(decode.generate(handoff)))
     decode = DecodeWorker(FakeEngine(role="decode", kv=kv), key=b"k" * 32)
     assert len(run(loop, collect(decode.generate(handoff)))[0]) == 6
+
+
+def test_a_handoff_that_names_no_kv_fails_closed_rather_than_compute_the_images(loop):
+    prefill, decode = tiers()
+    handoff, _ = run(loop, prefill.handoff(ask("No KV?", IMAGES[0])))
+    handoff.kv_transfer_params = {}
+    with pytest.raises(KVCoverageError, match="kv_coverage"):
+        run(loop, collect(decode.generate(handoff)))

@@ -11,7 +11,8 @@ serve no more (None while it can). One request:
     async for step in engine.generate(request, id): ...  # typed steps, the last one finished
     await engine.abort(id)                               # frees its blocks; no-op once finished
 
-Closing the `generate` iterator early does not abort the request: the caller aborts it.
+Closing the `generate` iterator early need not abort the request: a caller that stops early
+calls `abort`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ engine tier runs the same paths on vLLM.
   images give different answers. Sampling settings other than max_tokens are not modelled.
 - KV: engines built on one FakeKV share it, like engines that reach each other through NIXL. A
   prefill request (kv_transfer_params `do_remote_decode`) leaves its prompt's KV there under a
-  fresh key; a request that names such a key takes it (once). A KV-only request whose key is not
-  there ends as vLLM's fail-closed scheduler ends it: finish reason "error" and a kv_failure.
+  fresh key; a request that names such a key takes it (once). A request whose key is not there,
+  or a KV-only request with images and no key, ends as vLLM's fail-closed scheduler ends it:
+  finish reason "error" and a kv_failure.
 - Roles as in EngineSpec: a "decode" engine has no vision tower and refuses images.
 """
 
@@ -119,13 +120,17 @@ class FakeEngine:
         try:
             params = request.kv_transfer_params or {}
             key = params.get("fake_kv")
-            if key is not None:  # a pull from another engine
+            failure = None
+            if key is not None:  # a pull from another engine; a failed load fails the request
                 await asyncio.sleep(self.pull_s)
-                if self.kv.blocks.pop(key, None) is None and request.kv_only:
-                    yield Step([], "", finish_reason="error",
-                               prompt_tokens=len(request.token_ids),
-                               kv_failure="kv_load_failed: the blocks are not there")
-                    return
+                if self.kv.blocks.pop(key, None) is None:
+                    failure = "kv_load_failed: the blocks are not there"
+            elif request.kv_only and request.image_hashes:
+                failure = "kv_coverage: image positions would be computed, and there is no KV"
+            if failure is not None:
+                yield Step([], "", finish_reason="error", prompt_tokens=len(request.token_ids),
+                           kv_failure=failure)
+                return
             for k in range(request.max_tokens):
                 await asyncio.sleep(self.step_s)
                 if request_id in self.aborted:
