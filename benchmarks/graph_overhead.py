@@ -1,6 +1,8 @@
 """Graph overhead: the disagg graph through the HTTP frontend vs the same handoff in-process.
 
     .venv/bin/python benchmarks/graph_overhead.py [--requests 32] [--rounds 3]
+    # a GPU: a real-size shape with dummy weights, each of the 4 engines a share of the GPU
+    python benchmarks/graph_overhead.py --model-shape llava-1.5-7b --gpu-memory-utilization 0.2
 
 Arms (same engine settings, same cores, same images, distinct per request so no prefix cache
 helps either arm):
@@ -45,16 +47,29 @@ def messages(image: bytes) -> list[dict]:
                                          {"type": "text", "text": "Describe it."}]}]
 
 
-class InProcess:
-    def __init__(self) -> None:
-        from mmhandoff.decode.worker import DecodeWorker
+def model_settings(args) -> tuple[str, dict]:
+    """The model folder and the engine arguments both arms use (beyond `launch`'s defaults)."""
+    if args.model_shape == "tiny":
         from mmhandoff.models.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model()), {}
+    from mmhandoff.models.dummy import ensure_dummy_model
+
+    extra = {"load_format": "dummy", "dtype": "bfloat16"}
+    if args.gpu_memory_utilization is not None:
+        extra["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return str(ensure_dummy_model(args.model_shape)), extra
+
+
+class InProcess:
+    def __init__(self, args) -> None:
+        from mmhandoff.decode.worker import DecodeWorker
         from mmhandoff.prefill.worker import PrefillWorker
         from mmhandoff.vllm_adapter import EngineSpec, start_engine
 
-        model = str(ensure_tiny_model())  # the settings `launch` gives the graph's workers
+        model, extra = model_settings(args)  # the settings `launch` gives the graph's workers
         self.engines = [start_engine(EngineSpec(model=model, role=role, cpu_cores=core,
-                                                nixl_port=port()))
+                                                nixl_port=port(), extra=extra))
                         for role, core in (("prefill", "0"), ("decode", "1"))]
         self.prefill = PrefillWorker(self.engines[0])
         self.decode = DecodeWorker(self.engines[1])
@@ -83,14 +98,30 @@ class InProcess:
         self.prefill = self.decode = None
 
 
+def graph_config(args, run_dir: Path) -> Path:
+    """configs/disagg.yaml with the benchmark's model and engine arguments."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "configs/disagg.yaml").read_text())
+    model, extra = model_settings(args)
+    config["model"] = model
+    for worker in ("prefill", "decode"):
+        for name, value in extra.items():
+            config["components"][worker]["args"] += ["--engine-arg",
+                                                     f"{name}={json.dumps(value)}"]
+    path = run_dir / "disagg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 class Graph:
-    def __init__(self, log: Path) -> None:
+    def __init__(self, config: Path, log: Path) -> None:
         self.port = port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mmhandoff", "serve", "graphs.disagg:Frontend", "-f",
-             str(ROOT / "configs/disagg.yaml"), "--port", str(self.port)],
+             str(config), "--port", str(self.port)],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -145,6 +176,7 @@ async def measure(arms: dict, args) -> dict:
         for c in (1, 8):  # a fresh engine's (and graph's) first requests are slow
             await batch(request, [jpeg(640, 480, 90 + 10 * c + i) for i in range(8)], c,
                         f"warm-{tag}")
+            print(f"warm-up done: {tag}, concurrency {c}", flush=True)
     out = {tag: {1: ([], []), 8: ([], [])} for tag in arms}
     for r in range(args.rounds):
         for c in (1, 8):
@@ -177,9 +209,9 @@ async def main(args) -> None:
     # Both arms stay up and take turns: with the engines' spin plugin
     # (components/src/mmhandoff/vllm_adapter/spin.py) the idle arm uses a few percent of a core (printed).
     print("in-process arm: starting the engines", flush=True)
-    local = InProcess()  # on this loop: AsyncLLM binds its output handler to it
+    local = InProcess(args)  # on this loop: AsyncLLM binds its output handler to it
     print(f"graph arm: starting the graph (log: {run_dir}/graph.log)", flush=True)
-    graph = Graph(run_dir / "graph.log")
+    graph = Graph(graph_config(args, run_dir), run_dir / "graph.log")
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
     try:
         idle = {"in-process engines": await idle_cpu(
@@ -195,7 +227,8 @@ async def main(args) -> None:
 
     print("\nidle CPU while the other arm waits: " +
           ", ".join(f"{k} {v:.3f} cores" for k, v in idle.items()))
-    print(f"\n640x480 JPEG, {MAX_TOKENS} output tokens, tiny model; {args.rounds} rounds\n")
+    print(f"\n640x480 JPEG, {MAX_TOKENS} output tokens, model {args.model_shape}; "
+          f"{args.rounds} rounds\n")
     print("| concurrency | arm | requests | TTFT p50 ms | TTFT p95 ms | requests/s |")
     print("|---|---|---|---|---|---|")
     for c in (1, 8):
@@ -217,4 +250,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32, help="requests per round at conc 8")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model-shape", default="tiny", choices=["tiny", "llava-1.5-7b"],
+                        help="tiny: the test model; else a real-size shape, dummy weights")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="GPU: each engine's share (four engines share one GPU)")
     asyncio.run(main(parser.parse_args()))

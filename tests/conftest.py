@@ -233,7 +233,7 @@ def image_server(loop):
 
 
 # ---- tiers --------------------------------------------------------------------------------------
-TIERS = ("unit", "engine", "graph")
+TIERS = ("unit", "engine", "graph", "gpu")  # gpu: selected only on a GPU host
 
 
 def pytest_collection_modifyitems(config, items):

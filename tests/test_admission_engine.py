@@ -7,10 +7,12 @@ import msgspec
 import pytest
 
 from mmhandoff.decode.worker import DecodeWorker, collect
+from mmhandoff.engine import EngineInputError
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.handoff import (
     EmptyHash,
     FingerprintMismatch,
+    KVMismatch,
     PayloadPresent,
     SpanOutOfRange,
     SpanReachesFinalToken,
@@ -34,6 +36,10 @@ def parts(loop, engines):
     return prefill, DecodeWorker(engines.decode), h, messages, s
 
 
+def _drop_last_block(ids):
+    return [g[:-1] for g in ids] if ids and isinstance(ids[0], list) else ids[:-1]
+
+
 def _span(h, **kw):
     span = h.features.mm_placeholders["image"][0]
     return {**msgspec.to_builtins(span), **kw}
@@ -50,6 +56,20 @@ CASES = {
     "prompt-logprobs": (lambda d, h: d["sampling"].update(prompt_logprobs=1), UnsupportedRequest),
     "wrong-fingerprint": (lambda d, h: d.update(model_fingerprint="0" * 64), FingerprintMismatch),
     "unknown-version": (lambda d, h: d.update(v=99), UnsupportedVersion),
+    # what vLLM's own input checks refuse: typed, not an untyped "Internal" error
+    "token-past-vocabulary": (lambda d, h: d["token_ids"].__setitem__(0, 100_000),
+                              EngineInputError),
+    "token-2**40": (lambda d, h: d["token_ids"].__setitem__(0, 2**40), EngineInputError),
+    "negative-temperature": (lambda d, h: d["sampling"].update(temperature=-1.0),
+                             EngineInputError),
+    "top-p-0": (lambda d, h: d["sampling"].update(top_p=0.0), EngineInputError),
+    "longer-than-the-model": (lambda d, h: d.update(token_ids=d["token_ids"] * 40),
+                              EngineInputError),
+    # more tokens than the named blocks hold: vLLM's pull worker would assert and die
+    "more-tokens-than-kv": (lambda d, h: d.update(token_ids=d["token_ids"] * 2), KVMismatch),
+    "fewer-blocks-than-tokens": (lambda d, h: d["kv_transfer_params"].update(
+        remote_block_ids=_drop_last_block(d["kv_transfer_params"]["remote_block_ids"])),
+        KVMismatch),
 }
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import base64
 import json
+import struct
 import urllib.error
 import urllib.request
+import zlib
 
 import pytest
 from PIL import Image
@@ -86,6 +88,18 @@ def chat_body(*uris, model=MODEL, **kw):
 
 
 GOOD = data_uri(encode(make_image(64, 64, 64)))
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height and that holds no pixels (a "bomb")."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b""))
+            + chunk(b"IEND", b""))
+
+
 BAD_CASES = {
     "invalid json": (b"{not json", 400, "invalid_json"),
     "unknown model": (chat_body(GOOD, model="gpt-9"), 404, "model_not_found"),
@@ -108,6 +122,16 @@ BAD_CASES = {
     "no messages": (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "invalid_messages"),
     "bad max_tokens": (chat_body(GOOD, max_tokens=-3), 400, "invalid_max_tokens"),
     "zero max_tokens": (chat_body(GOOD, max_tokens=0), 400, "invalid_max_tokens"),
+    # PIL refuses to open it at all (over twice its own pixel limit)
+    "decompression bomb": (chat_body(data_uri(png_header(20000, 20000))), 413,
+                           "image_too_large"),
+    "JSON nested 50,000 deep": (b'{"model": "' + MODEL.encode() + b'", "messages": '
+                                + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, "invalid_json"),
+    "negative temperature": (chat_body(GOOD, temperature=-1), 400, "invalid_sampling"),
+    "temperature 'nan'": (chat_body(GOOD, temperature="nan"), 400, "invalid_sampling"),
+    "temperature true": (chat_body(GOOD, temperature=True), 400, "invalid_sampling"),
+    "top_p 2": (chat_body(GOOD, top_p=2), 400, "invalid_sampling"),
+    "top_p 0": (chat_body(GOOD, top_p=0), 400, "invalid_sampling"),
 }
 
 

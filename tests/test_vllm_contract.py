@@ -259,7 +259,8 @@ def test_process_teardown_parts_used_by_the_fast_exit_plugin():
 
 
 def test_what_the_vllm_engine_reads_of_vllm(engines):
-    """VllmEngine (vllm_engine.py) and inputs.py read these of vLLM's AsyncLLM and its outputs;
+    """VllmEngine (vllm_engine.py) and inputs.py read these of vLLM's AsyncLLM and its outputs
+    (and the NIXL connector's `remote_block_ids`, which test_admission_engine exercises);
     and the capabilities it derives from them are each role's."""
     import dataclasses
 
@@ -268,11 +269,13 @@ def test_what_the_vllm_engine_reads_of_vllm(engines):
     from mmhandoff.engine import Capabilities
 
     llm = engines.decode.llm
-    for name in ("model_config", "renderer", "input_processor", "generate", "abort",
-                 "get_supported_tasks", "errored", "output_handler", "engine_core", "shutdown"):
+    for name in ("model_config", "vllm_config", "renderer", "input_processor", "generate",
+                 "abort", "get_supported_tasks", "errored", "output_handler", "engine_core",
+                 "shutdown"):
         assert hasattr(llm, name), f"AsyncLLM.{name} is gone"
     for name in ("uses_mrope", "is_encoder_decoder", "multimodal_config", "hf_config", "dtype"):
         assert hasattr(llm.model_config, name), f"ModelConfig.{name} is gone"
+    assert llm.vllm_config.cache_config.block_size == 32  # check_blocks reads it
     for name in ("get_tokenizer", "render_cmpl_async"):
         assert hasattr(llm.renderer, name), f"the renderer's {name} is gone"
     assert {"outputs", "finished", "prompt_token_ids", "kv_transfer_params"} <= set(

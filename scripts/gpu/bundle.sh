@@ -10,6 +10,8 @@
 #   scripts/gpu/device.sh stash PART ...   # once per part (copies it to /tmp/mmhandoff-bundle)
 #   scripts/gpu/device.sh install          # joins the parts, installs into /tmp/mmhandoff-site
 #   scripts/gpu/device.sh run CMD ...      # runs CMD with that site on PYTHONPATH
+#   scripts/gpu/device.sh stash-graph PART ... && scripts/gpu/device.sh install-graph
+#                                          # the Dynamo runtime too (graph-parts/), for serve
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-.gpu-bundle}
@@ -34,6 +36,17 @@ if unzip -Z1 "$vllm_whl" | grep -c '_vllm_fa2_C.abi3.so$' >/dev/null; then
   log "trimming $(basename "$vllm_whl")"
   zip -q -d "$vllm_whl" 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs*' >/dev/null || true
 fi
+
+# The served graph (`mmhandoff serve`) also needs the Dynamo runtime: one 75 MB wheel, packed
+# on its own (parts in OUT/graph-parts/) so that the in-process runs do not carry it.
+GRAPH_WHEELS="$OUT/graph-wheels"
+mkdir -p "$GRAPH_WHEELS" "$OUT/graph-parts"
+python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+  -d "$GRAPH_WHEELS" ai-dynamo-runtime==1.6.1 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
+rm -f "$OUT"/graph-parts/part-*
+tar -C "$GRAPH_WHEELS" -cf - . | split -b "${PART_MB}m" -d -a 2 - "$OUT/graph-parts/part-"
+( cd "$OUT/graph-parts" && sha256sum part-* > SHA256SUMS )
 
 log "packing and splitting into ${PART_MB} MiB parts"
 rm -f "$OUT"/parts/part-*

@@ -3,6 +3,8 @@
 #
 #   scripts/gpu/device.sh stash PART [PART ...]   # keep carried parts in /tmp/mmhandoff-bundle
 #   scripts/gpu/device.sh install                 # check, join and install the stashed parts
+#   scripts/gpu/device.sh stash-graph PART ...    # the same for graph-parts/ (Dynamo runtime),
+#   scripts/gpu/device.sh install-graph           # which `mmhandoff serve` needs
 #   scripts/gpu/device.sh run CMD [ARG ...]       # run CMD with the bundle and the checkout
 #                                                 # importable (installs first if needed)
 # With WATCHDOG_S=N, a CMD still running after N s gets the Python stacks of its whole process
@@ -54,12 +56,32 @@ descendants() {
   for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done
 }
 
+# the Dynamo runtime for the served graph: its own parts, installed into the same site
+install_graph() {
+  install
+  [ -f "$SITE/.graph-installed" ] && return 0
+  local dir="$STASH/graph"
+  [ -f "$dir/SHA256SUMS" ] || { log "no graph SHA256SUMS stashed: stash-graph first"; exit 2; }
+  (cd "$dir" && sha256sum -c --quiet SHA256SUMS) \
+    || { log "graph parts missing or damaged: stash-graph every part again"; exit 2; }
+  rm -rf "$dir/wheels" && mkdir -p "$dir/wheels"
+  cat "$dir"/part-* | tar -C "$dir/wheels" -xf -
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "$dir"/wheels/*.whl
+  touch "$SITE/.graph-installed"
+}
+
 case "${1:-}" in
   stash)
     shift; mkdir -p "$STASH"
     for part in "$@"; do cp "$part" "$STASH/"; done
     log "stashed: $(cd "$STASH" && ls part-* | tr '\n' ' ')" ;;
+  stash-graph)
+    shift; mkdir -p "$STASH/graph"
+    for part in "$@"; do cp "$part" "$STASH/graph/"; done
+    log "stashed graph parts: $(cd "$STASH/graph" && ls part-* | tr '\n' ' ')" ;;
   install) install ;;
+  install-graph) install_graph ;;
   run)
     shift; install
     export PYTHONPATH="$SITE:$PWD/components/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"

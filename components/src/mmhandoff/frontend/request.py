@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import math
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -52,6 +53,8 @@ def _probe(data: bytes) -> tuple[int, int, str | None] | None:
     try:
         with Image.open(io.BytesIO(data)) as image:
             return *image.size, image.format
+    except Image.DecompressionBombError as e:  # over twice PIL's own pixel limit
+        raise ApiError(413, f"image is too large: {e}", "image_too_large") from None
     except (UnidentifiedImageError, OSError):
         return None
 
@@ -174,9 +177,16 @@ class RequestReader:
         if seed is not None and type(seed) is not int or type(ignore_eos) is not bool:
             raise ApiError(400, "seed must be an integer and ignore_eos a boolean",
                            "invalid_sampling")
-        try:
-            return Sampling(max_tokens=max_tokens, temperature=float(body.get("temperature", 1.0)),
-                            top_p=float(body.get("top_p", 1.0)), seed=seed, ignore_eos=ignore_eos)
-        except (TypeError, ValueError):
-            raise ApiError(400, "temperature and top_p must be numbers",
-                           "invalid_sampling") from None
+        temperature, top_p = body.get("temperature", 1.0), body.get("top_p", 1.0)
+        if not all(_number(v) for v in (temperature, top_p)):
+            raise ApiError(400, "temperature and top_p must be numbers", "invalid_sampling")
+        if not (math.isfinite(temperature) and temperature >= 0):  # vLLM's own rule
+            raise ApiError(400, "temperature must be a finite number >= 0", "invalid_sampling")
+        if not 0 < top_p <= 1:  # NaN fails this too
+            raise ApiError(400, "top_p must be in (0, 1]", "invalid_sampling")
+        return Sampling(max_tokens=max_tokens, temperature=float(temperature),
+                        top_p=float(top_p), seed=seed, ignore_eos=ignore_eos)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

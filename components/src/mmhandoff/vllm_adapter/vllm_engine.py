@@ -14,7 +14,7 @@ from mmhandoff.vllm_adapter.inputs import (
     render_prompt,
     sampling_params,
 )
-from mmhandoff.wire.handoff import Handoff, Sampling
+from mmhandoff.wire.handoff import Handoff, KVMismatch, Sampling
 
 
 def _client_errors() -> tuple[type[BaseException], ...]:
@@ -25,6 +25,22 @@ def _client_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         return (ValueError,)
     return (ValueError, VLLMClientError)
+
+
+def check_blocks(handoff: Handoff, block_size: int) -> None:
+    """The NIXL connector's `remote_block_ids` must be exactly the blocks of the handoff's
+    prompt, in every KV-cache group. vLLM trusts them: more tokens than blocks fails an
+    assertion in its pull worker, which kills the engine; fewer tokens pulls the prompt's last
+    blocks into its first positions (wrong KV, wrong answers)."""
+    ids = handoff.kv_transfer_params.get("remote_block_ids")
+    if ids is None:  # nothing to pull: the fail-closed scheduler decides
+        return
+    groups = ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [ids]
+    expected = -(-len(handoff.token_ids) // block_size)
+    if any(not isinstance(g, list) or len(g) != expected for g in groups):
+        sizes = [len(g) if isinstance(g, list) else None for g in groups]
+        raise KVMismatch(f"the handoff names {sizes} KV blocks for {len(handoff.token_ids)} "
+                         f"tokens; blocks of {block_size} tokens need {expected}")
 
 
 class VllmEngine:
@@ -38,6 +54,7 @@ class VllmEngine:
         self.fingerprint = model_fingerprint(llm)
         self._tokenizer = llm.renderer.get_tokenizer()
         self._tasks: tuple | None = None  # vLLM's supported tasks: an engine RPC, asked once
+        self.block_size = llm.vllm_config.cache_config.block_size
         self._refused = _client_errors()
 
     @classmethod
@@ -60,8 +77,12 @@ class VllmEngine:
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
                 kv_transfer_params: dict[str, Any] | None = None) -> Any:
-        return rendered.engine_input, sampling_params(
-            sampling, max_tokens=max_tokens, kv_transfer_params=kv_transfer_params)
+        try:
+            params = sampling_params(sampling, max_tokens=max_tokens,
+                                     kv_transfer_params=kv_transfer_params)
+        except self._refused as e:  # e.g. a negative temperature
+            raise EngineInputError(str(e)) from None
+        return rendered.engine_input, params
 
     async def kv_only(self, handoff: Handoff, request_id: str) -> Any:
         if self._tasks is None:
@@ -70,6 +91,7 @@ class VllmEngine:
             request = kv_only_request(self.llm, handoff, request_id, self._tasks)
         except self._refused as e:  # vLLM's input checks, e.g. longer than max_model_len
             raise EngineInputError(str(e)) from None
+        check_blocks(handoff, self.block_size)  # before the engine sees it
         return request, request.sampling_params
 
     async def generate(self, request: Any, request_id: str) -> AsyncIterator[Step]:

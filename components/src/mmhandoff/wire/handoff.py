@@ -75,6 +75,13 @@ class DigestMismatch(HandoffError):
     code = "digest_mismatch"
 
 
+class KVMismatch(HandoffError):
+    """The KV blocks the handoff names do not match its token ids (checked by the engine
+    adapter, which knows the block size and the connector's parameters)."""
+
+    code = "kv_mismatch"
+
+
 # ---- wire types ---------------------------------------------------------------------------------
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
