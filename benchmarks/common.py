@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import io
-import socket
 import threading
 
 
 def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from mmhandoff.serving.ports import free_port  # outside the ephemeral range: see there
+
+    return free_port()
 
 
 def jpeg(width: int, height: int, seed: int) -> bytes:

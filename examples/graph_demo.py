@@ -15,7 +15,6 @@ import argparse
 import base64
 import io
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,9 +36,9 @@ def sample_image() -> bytes:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from mmhandoff.serving.ports import free_port as take  # not from the ephemeral range
+
+    return take()
 
 
 def start_graph(port: int, log_path: Path) -> subprocess.Popen:

@@ -10,7 +10,6 @@ import asyncio
 import base64
 import io
 import os
-import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +28,11 @@ from PIL import Image  # noqa: E402
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Never from the ephemeral range, where vLLM's own port picks can take it first
+    (mmhandoff.serving.ports)."""
+    from mmhandoff.serving.ports import free_port as take
+
+    return take()
 
 
 class Loop:

@@ -10,15 +10,20 @@ from mmhandoff.decode.worker import DecodeWorker, collect
 from mmhandoff.engine import EngineInputError
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.handoff import (
+    DigestMismatch,
     EmptyHash,
+    Expired,
     FingerprintMismatch,
     KVMismatch,
     PayloadPresent,
+    Replayed,
     SpanOutOfRange,
     SpanReachesFinalToken,
     UnsupportedRequest,
     UnsupportedVersion,
+    Unsigned,
     encode_handoff,
+    sign,
 )
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
@@ -83,3 +88,28 @@ def test_each_bad_handoff_is_refused_and_the_engine_is_unaffected(loop, engines,
     # the original handoff (its blocks still held by prefill) is still served, and correctly
     tokens, _ = loop.run(collect(decode.generate(encode_handoff(h))))
     assert tokens == loop.run(agg_run(prefill, engines.full, "adm", messages, s))
+
+
+KEY = b"engine-test-key-" * 2
+
+
+def test_forged_relabelled_replayed_expired_and_unsigned_handoffs_are_refused(loop, engines):
+    """With a key, as every served graph runs: the prefix-cache poisoning of a relabelled
+    handoff (image P's KV under image X's hash) and a replay are refused before the engine sees
+    them; a later honest request for the same image is answered as agg answers it."""
+    prefill = PrefillWorker(engines.prefill, key=KEY)
+    decode = DecodeWorker(engines.decode, keys=[KEY])
+    s = greedy(8, ignore_eos=True)
+    x, p = (chat("Which one?", data_uri(encode(make_image(120, 90, seed)))) for seed in (51, 52))
+    h_x, _ = loop.run(prefill.handoff(PrefillRequest(request_id="x", messages=x, sampling=s)))
+    h_p, _ = loop.run(prefill.handoff(PrefillRequest(request_id="p", messages=p, sampling=s)))
+    relabelled = msgspec.structs.replace(h_p, features=h_x.features)
+    unsigned = msgspec.structs.replace(h_p, digest=None, nonce=None, expires_at=None)
+    expired = sign(msgspec.structs.replace(h_p, digest=None), KEY, ttl_s=1, now=1.0)
+    for bad, error in ((relabelled, DigestMismatch), (unsigned, Unsigned), (expired, Expired)):
+        with pytest.raises(error):
+            loop.run(collect(decode.generate(encode_handoff(bad))))
+    tokens, _ = loop.run(collect(decode.generate(encode_handoff(h_x))))
+    with pytest.raises(Replayed):
+        loop.run(collect(decode.generate(encode_handoff(h_x))))
+    assert tokens == loop.run(agg_run(prefill, engines.full, "x", x, s))

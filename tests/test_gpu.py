@@ -1,55 +1,110 @@
 """On a GPU host only: the handoff with a real-size shape (LLaVA-1.5-7B layout, dummy weights),
-prefill, decode and the agg reference sharing one GPU. The `gpu` tier: CI's CPU run does not
-select it; on the lent H200 it runs through the wheel bundle (docs/gpu.md):
+prefill, decode and the full-media decode engine sharing one GPU. The `gpu` tier: CI's CPU run
+does not select it; on the lent H200 it runs through the wheel bundle (docs/gpu.md):
 
     scripts/gpu/device.sh run python3 -m pytest -q -m gpu tests/test_gpu.py
+
+Dummy weights make a degenerate model (its greedy answer repeats a couple of tokens whatever the
+image), so that an answer depends on the image is checked on CPU only (test_handoff_flow.py).
 """
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from mmhandoff.agg.worker import AggWorker
-from mmhandoff.decode.stream import collect
+from mmhandoff.decode.full_media import FullMediaDecodeWorker
+from mmhandoff.decode.stream import KVCoverageError, collect
 from mmhandoff.decode.worker import DecodeWorker
 from mmhandoff.prefill.worker import PrefillWorker
+from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image, start
-from tests.flows import greedy, handoff_run
+from tests.flows import agg_run, full_media_run, greedy, handoff_run
+from tests.test_handoff_flow import _chain, _wait_for
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def workers(loop):
+def gpu(loop):
     from mmhandoff.models.dummy import ensure_dummy_model
     from mmhandoff.vllm_adapter import EngineSpec
+    from mmhandoff.vllm_adapter.kv_events import KVEventSubscriber
 
     common = dict(model=str(ensure_dummy_model("llava-1.5-7b")), dtype="bfloat16",
                   extra={"load_format": "dummy"}, gpu_memory_utilization=0.25)
-    engines = [start(loop, EngineSpec(role=role, nixl_port=free_port(), **common))
-               for role in ("prefill", "decode", "agg")]
-    prefill, decode, agg = engines
-    yield PrefillWorker(prefill), DecodeWorker(decode, kv_deadline_s=60), AggWorker(agg)
-    for engine in engines:
+    ports = {role: free_port() for role in ("prefill", "decode")}
+    engines = {role: start(loop, EngineSpec(
+        role=role, nixl_port=free_port(), **common,
+        kv_events_endpoint=f"tcp://*:{ports[role]}" if role in ports else None))
+        for role in ("prefill", "decode", "full_media_decode")}
+    events = {role: KVEventSubscriber(f"tcp://127.0.0.1:{port}") for role, port in ports.items()}
+    yield engines, events
+    for sub in events.values():
+        sub.close()
+    for engine in engines.values():
         engine.shutdown()
 
 
-def test_the_handoff_equals_agg_on_a_gpu_and_decode_has_no_vision_tower(loop, workers):
-    from mmhandoff.wire.messages import PrefillRequest
+@pytest.fixture(scope="module")
+def workers(gpu):
+    engines, _ = gpu
+    return (PrefillWorker(engines["prefill"]),
+            DecodeWorker(engines["decode"], kv_deadline_s=60),
+            FullMediaDecodeWorker(engines["full_media_decode"], kv_deadline_s=60))
 
-    prefill, decode, agg = workers
-    assert not decode.engine.capabilities.vision and agg.engine.capabilities.vision
-    # Dummy weights make a degenerate model: its greedy answer repeats two tokens whatever the
-    # image (seen on the H200), so that the answer depends on the image is checked on CPU only
-    # (test_handoff_flow.py, the tiny model's trained-free but varied weights).
-    for seed in (1, 2):
-        messages = chat("Describe it.", data_uri(encode(make_image(640, 480, seed))))
-        tokens, last, handoff = loop.run(handoff_run(prefill, decode, f"gpu-{seed}", messages,
-                                                     greedy(16, ignore_eos=True)))
-        reference, _ = loop.run(collect(agg.generate(PrefillRequest(
-            request_id=f"gpu-agg-{seed}", messages=messages,
-            sampling=greedy(16, ignore_eos=True)))))
-        assert tokens == reference, seed
-        # every prompt token's KV came from prefill (none from decode's own cache)
-        assert last.stats.kv_tokens_pulled + last.stats.kv_tokens_local == len(handoff.token_ids)
-        assert last.stats.kv_tokens_pulled > 576  # at least the image's 576 positions
+
+CASES = {
+    "640x480": [(640, 480, "JPEG", 1)],
+    "12mp": [(4000, 3000, "JPEG", 2)],
+    "two-images": [(640, 480, "JPEG", 3), (800, 600, "PNG", 4)],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_handoff_agg_full_media_on_a_gpu(loop, gpu, workers, case):
+    engines, _ = gpu
+    prefill, decode, full = workers
+    assert not decode.engine.capabilities.vision and full.engine.capabilities.vision
+    blobs = [encode(make_image(w, h, seed), fmt) for w, h, fmt, seed in CASES[case]]
+    mimes = ["image/jpeg" if b[:2] == b"\xff\xd8" else "image/png" for b in blobs]
+    messages = chat("Describe the pictures.", *(data_uri(b, m) for b, m in zip(blobs, mimes)))
+    s = greedy(16, ignore_eos=True)
+    tokens, last, handoff = loop.run(handoff_run(prefill, decode, f"gpu-{case}", messages, s),
+                                     timeout=300)
+    agg = loop.run(agg_run(prefill, engines["full_media_decode"], f"gpu-{case}", messages, s),
+                   timeout=300)
+    full_tokens, _ = loop.run(full_media_run(prefill, full, f"gpu-{case}", messages, s, blobs),
+                              timeout=300)
+    assert len(tokens) == 16 and tokens == agg == full_tokens
+    assert len(handoff.features.mm_hashes["image"]) == len(blobs)
+    assert last.stats.request_bytes < 4096 < sum(map(len, blobs))  # metadata, never the media
+    # every prompt token's KV came from prefill or decode's own cache, image positions included
+    assert last.stats.kv_tokens_pulled + last.stats.kv_tokens_local == len(handoff.token_ids)
+    assert last.stats.kv_tokens_pulled > 0
+
+
+def test_block_hashes_equal_on_prefill_and_decode_on_a_gpu(loop, gpu, workers):
+    _, events = gpu
+    prefill, decode, _ = workers
+    uri = data_uri(encode(make_image(300, 200, 7)))
+    _, _, h = loop.run(handoff_run(prefill, decode, "gpu-hash", chat("Hash me.", uri),
+                                   greedy(4)))
+    assert _wait_for(lambda: _chain(events["prefill"], h.token_ids)
+                     and _chain(events["decode"], h.token_ids))
+    assert _chain(events["prefill"], h.token_ids) == _chain(events["decode"], h.token_ids)
+
+
+def test_decode_fails_closed_without_kv_and_stays_healthy_on_a_gpu(loop, gpu, workers):
+    engines, _ = gpu
+    prefill, decode, _ = workers
+    messages = chat("No KV?", data_uri(encode(make_image(640, 480, 9), "JPEG"), "image/jpeg"))
+    s = greedy(8, ignore_eos=True)
+    handoff, _ = loop.run(prefill.handoff(PrefillRequest(request_id="gpu-nokv",
+                                                         messages=messages, sampling=s)))
+    with pytest.raises(KVCoverageError):
+        loop.run(collect(decode.generate(msgspec.structs.replace(handoff,
+                                                                 kv_transfer_params={}))))
+    tokens, _, _ = loop.run(handoff_run(prefill, decode, "gpu-after", messages, s))
+    assert tokens == loop.run(agg_run(prefill, engines["full_media_decode"], "gpu-after",
+                                      messages, s))

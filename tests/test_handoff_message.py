@@ -11,6 +11,7 @@ from mmhandoff.wire.handoff import (
     VERSION,
     DigestMismatch,
     EmptyHash,
+    Expired,
     FeatureMismatch,
     Features,
     FingerprintMismatch,
@@ -19,12 +20,15 @@ from mmhandoff.wire.handoff import (
     KVRequired,
     MalformedHandoff,
     PayloadPresent,
+    Replayed,
+    ReplayGuard,
     Sampling,
     Span,
     SpanOutOfRange,
     SpanReachesFinalToken,
     UnsupportedRequest,
     UnsupportedVersion,
+    Unsigned,
     check_admission,
     decode_handoff,
     encode_handoff,
@@ -156,15 +160,59 @@ def test_admission_rules():
         check_admission(_good(requires_kv=False), fingerprint=FP)
 
 
-def test_digest_signs_and_detects_tampering():
-    key = b"secret"
-    signed = sign(_good(), key)
-    check_admission(decode_handoff(encode_handoff(signed)), fingerprint=FP, key=key)
-    tampered = msgspec.structs.replace(signed, token_ids=list(range(1, 11)))
+KEY, OLD_KEY = b"k" * 32, b"o" * 32
+
+
+def test_a_signed_handoff_is_admitted_and_any_change_is_refused():
+    signed = sign(_good(), KEY, ttl_s=60)
+    check_admission(decode_handoff(encode_handoff(signed)), fingerprint=FP, keys=[KEY])
+    changes = {
+        "token ids": dict(token_ids=list(range(1, 11))),
+        "an image relabelled": dict(features=Features(
+            mm_hashes={"image": ["another-image"]},
+            mm_placeholders=signed.features.mm_placeholders)),
+        "block ids": dict(kv_transfer_params={"remote_block_ids": [9]}),
+        "cache salt": dict(cache_salt="other"),
+        "a later expiry": dict(expires_at=signed.expires_at + 600),
+        "another nonce": dict(nonce="0" * 32),
+    }
+    for name, change in changes.items():
+        with pytest.raises(DigestMismatch):
+            check_admission(msgspec.structs.replace(signed, **change), fingerprint=FP,
+                            keys=[KEY])
+    with pytest.raises(DigestMismatch):  # signed with a key decode does not have
+        check_admission(sign(_good(), OLD_KEY, ttl_s=60), fingerprint=FP, keys=[KEY])
+
+
+def test_unsigned_expired_and_rotated_keys():
+    with pytest.raises(Unsigned):
+        check_admission(_good(), fingerprint=FP, keys=[KEY])
+    with pytest.raises(Unsigned):  # a digest without nonce and expiry
+        check_admission(sign(_good(), KEY), fingerprint=FP, keys=[KEY])
+    old = sign(_good(), KEY, ttl_s=60, now=1000.0)
+    check_admission(old, fingerprint=FP, keys=[KEY], now=1059.0)
+    with pytest.raises(Expired):
+        check_admission(old, fingerprint=FP, keys=[KEY], now=1061.0)
+    # during a rotation decode takes both keys
+    check_admission(sign(_good(), OLD_KEY, ttl_s=60), fingerprint=FP, keys=[KEY, OLD_KEY])
+    # without keys a digest is a checksum: checked, not required
+    check_admission(sign(_good()), fingerprint=FP)
     with pytest.raises(DigestMismatch):
-        check_admission(tampered, fingerprint=FP, key=key)
-    with pytest.raises(DigestMismatch):
-        check_admission(_good(), fingerprint=FP, key=key)  # unsigned where a key is required
+        check_admission(msgspec.structs.replace(sign(_good()), cache_salt="x"), fingerprint=FP)
+
+
+def test_a_handoff_is_single_use_and_the_guard_forgets_expired_nonces():
+    guard = ReplayGuard()
+    first = sign(_good(), KEY, ttl_s=10, now=1000.0)
+    guard.admit(first, now=1001.0)
+    with pytest.raises(Replayed):
+        guard.admit(first, now=1002.0)
+    guard.admit(sign(_good(), KEY, ttl_s=10, now=1000.0), now=1002.0)  # a new nonce
+    assert len(guard) == 2
+    guard.admit(sign(_good(), KEY, ttl_s=10, now=1020.0), now=1020.5)  # the others expired
+    assert len(guard) == 1
+    guard.admit(_good())  # unsigned (no keys configured): no nonce to remember
+    assert len(guard) == 1
 
 
 def test_repr_hides_token_ids():

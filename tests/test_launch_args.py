@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV, engine_spec, handoff_key, parser
+from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV, engine_spec, handoff_keys, parser
 from mmhandoff.vllm_adapter.engine import engine_env
 
 pytestmark = pytest.mark.unit
@@ -35,32 +35,37 @@ def test_a_side_channel_host_that_is_not_an_ip_is_refused(monkeypatch, capsys, b
     assert exit_.value.code == 2 and "not an IP address" in capsys.readouterr().err
 
 
-def key_of(argv: list[str]) -> bytes | None:
-    return handoff_key(parser("decode").parse_args(argv))
+def keys_of(argv: list[str]) -> tuple[bytes, ...]:
+    return handoff_keys(parser("decode").parse_args(argv))
 
 
-def test_the_handoff_key_comes_from_a_file_or_the_environment(monkeypatch, tmp_path):
+def test_the_handoff_keys_come_from_a_file_or_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv(KEY_ENV, raising=False)
     monkeypatch.delenv(KEY_FILE_ENV, raising=False)
-    assert key_of([]) is None  # no key: handoffs unsigned (in-process use)
+    assert keys_of([]) == ()  # no key: handoffs unsigned (in-process use)
     monkeypatch.setenv(KEY_ENV, "k" * 32)
-    assert key_of([]) == b"k" * 32
+    assert keys_of([]) == (b"k" * 32,)
     secret = tmp_path / "key"
     secret.write_bytes(b"s" * 40 + b"\n")  # as `kubectl create secret --from-file` mounts it
-    assert key_of(["--handoff-key-file", str(secret)]) == b"s" * 40  # the file wins
+    assert keys_of(["--handoff-key-file", str(secret)]) == (b"s" * 40,)  # the file wins
     monkeypatch.setenv(KEY_FILE_ENV, str(secret))
-    assert key_of([]) == b"s" * 40
+    assert keys_of([]) == (b"s" * 40,)
+    secret.write_bytes(b"n" * 32 + b"\n" + b"s" * 40 + b"\n\n")  # a rotation: new first
+    assert keys_of([]) == (b"n" * 32, b"s" * 40)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: p.write_bytes(b"short\n"), "at least 16"),
-    (lambda p: None, "No such file"),
+@pytest.mark.parametrize("content, message", [
+    (b"short\n", "at least 16"),
+    (b"k" * 32 + b"\nshort\n", "at least 16"),  # every key, not only the first
+    (b"\n\n", "at least 16"),  # a file with no key is a mistake, not "no signing"
+    (None, "No such file"),
 ])
-def test_a_bad_handoff_key_stops_the_component(monkeypatch, tmp_path, make, message):
+def test_a_bad_handoff_key_stops_the_component(monkeypatch, tmp_path, content, message):
     monkeypatch.delenv(KEY_ENV, raising=False)
-    make(tmp_path / "key")
+    if content is not None:
+        (tmp_path / "key").write_bytes(content)
     with pytest.raises(SystemExit, match=message):
-        key_of(["--handoff-key-file", str(tmp_path / "key")])
+        keys_of(["--handoff-key-file", str(tmp_path / "key")])
 
 
 def test_engine_arguments_pass_through_typed():

@@ -24,7 +24,13 @@ from mmhandoff.frontend.app import Frontend
 from mmhandoff.prefill.worker import ERRORS as PREFILL_ERRORS
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.serving.runtime import endpoint_handler
-from mmhandoff.wire.handoff import FingerprintMismatch, HandoffError, encode_handoff
+from mmhandoff.wire.handoff import (
+    DigestMismatch,
+    FingerprintMismatch,
+    Replayed,
+    Unsigned,
+    encode_handoff,
+)
 from mmhandoff.wire.messages import PrefillAnswer, PrefillRequest, user
 from tests.conftest import data_uri, encode, make_image, serve_app
 from tests.flows import greedy
@@ -260,22 +266,21 @@ def test_a_prompt_the_engine_refuses_is_a_400_and_nothing_is_left_running(loop, 
     assert d.requests == 0 and not prefill.engine.running
 
 
-def test_signed_handoffs_verify_only_with_the_same_key(loop):
+def test_signed_handoffs_are_taken_once_and_only_with_a_key_decode_has(loop):
     kv = FakeKV()
     prefill = PrefillWorker(FakeEngine(role="prefill", kv=kv), key=b"k" * 32)
     handoff, _ = run(loop, prefill.handoff(ask("Signed?", IMAGES[0])))
-    assert handoff.digest
-    for key in (b"x" * 32, None):  # another key; or a decode that expects none
-        decode = DecodeWorker(FakeEngine(role="decode", kv=kv), key=key)
-        with pytest.raises(HandoffError, match="digest"):
+    assert handoff.digest and handoff.nonce and handoff.expires_at
+    for keys, error in (([b"x" * 32], DigestMismatch), ((), DigestMismatch)):
+        decode = DecodeWorker(FakeEngine(role="decode", kv=kv), keys=keys)
+        with pytest.raises(error):  # another key; or a decode that takes a checksum only
             run(loop, collect(decode.generate(handoff)))
-    decode = DecodeWorker(FakeEngine(role="decode", kv=kv), key=b"k" * 32)
+    decode = DecodeWorker(FakeEngine(role="decode", kv=kv), keys=[b"x" * 32, b"k" * 32])
     assert len(run(loop, collect(decode.generate(handoff)))[0]) == 6
-
-
-def test_a_handoff_that_names_no_kv_fails_closed_rather_than_compute_the_images(loop):
-    prefill, decode = tiers()
-    handoff, _ = run(loop, prefill.handoff(ask("No KV?", IMAGES[0])))
-    handoff.kv_transfer_params = {}
-    with pytest.raises(KVCoverageError, match="kv_coverage"):
+    with pytest.raises(Replayed):  # the same handoff again
         run(loop, collect(decode.generate(handoff)))
+    unsigned, _ = run(loop, PrefillWorker(FakeEngine(role="prefill", kv=kv)).handoff(
+        ask("Unsigned?", IMAGES[1])))
+    with pytest.raises(Unsigned):
+        run(loop, collect(decode.generate(unsigned)))
+    assert not decode.engine.running

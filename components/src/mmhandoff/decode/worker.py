@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from contextlib import aclosing
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import msgspec
 
@@ -21,6 +21,7 @@ from mmhandoff.engine import Engine, EngineInputError
 from mmhandoff.wire.handoff import (
     Handoff,
     HandoffError,
+    ReplayGuard,
     check_admission,
     decode_handoff,
     encode_handoff,
@@ -36,7 +37,8 @@ class UnsupportedModel(RuntimeError):
 
 class DecodeWorker:
     def __init__(self, engine: Engine, *, kv_deadline_s: float | None = 30.0,
-                 key: bytes | None = None) -> None:
+                 keys: Sequence[bytes] = ()) -> None:
+        """`keys`: take only handoffs signed with one of them (several during a rotation)."""
         if engine.capabilities.mrope:
             raise UnsupportedModel("M-RoPE models derive positions from the media; a KV-only "
                                    "decode cannot rebuild them (a later handoff version will)")
@@ -44,13 +46,15 @@ class DecodeWorker:
             raise UnsupportedModel("encoder-decoder models need the encoder output on decode")
         self.engine = engine
         self.kv_deadline_s = kv_deadline_s
-        self.key = key
+        self.keys = tuple(keys)
+        self.replays = ReplayGuard()
 
     def admit(self, message: Handoff | bytes) -> tuple[Handoff, int]:
         """Decode (if bytes) and check a handoff; raise a HandoffError if it is refused."""
         wire = encode_handoff(message) if isinstance(message, Handoff) else bytes(message)
         handoff = decode_handoff(wire)  # a Handoff object gets the same checks as bytes
-        check_admission(handoff, fingerprint=self.engine.fingerprint, key=self.key)
+        check_admission(handoff, fingerprint=self.engine.fingerprint, keys=self.keys)
+        self.replays.admit(handoff)  # last: a refused message does not use up its nonce
         return handoff, len(wire)
 
     async def generate(self, message: Handoff | bytes) -> AsyncIterator[DecodeChunk]:
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     def make_handler(engine, args):
         if args.full_media:
             return FullMediaDecodeWorker(engine, kv_deadline_s=args.kv_deadline_s).handle
-        return DecodeWorker(engine, kv_deadline_s=args.kv_deadline_s, key=args.handoff_key).handle
+        return DecodeWorker(engine, kv_deadline_s=args.kv_deadline_s,
+                            keys=args.handoff_keys).handle
 
     return run("decode", lambda a: "full_media_decode" if a.full_media else "decode",
                ENDPOINT, make_handler,

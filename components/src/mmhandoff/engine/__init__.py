@@ -1,7 +1,7 @@
 """The engine interface the workers use. mmhandoff.vllm_adapter implements it with vLLM;
 mmhandoff.engine.fake implements it with a deterministic stand-in for the fast tests.
 
-Lifecycle of an engine: started by its implementation (`VllmEngine.start(spec)`), then any
+Lifecycle of an engine: started by its implementation (`vllm_adapter.start_engine(spec)`), then any
 number of concurrent requests, then `shutdown()`. While it serves, `dead_cause()` says why it can
 serve no more (None while it can). One request:
 

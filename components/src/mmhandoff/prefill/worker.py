@@ -28,6 +28,11 @@ from mmhandoff.wire.messages import (
 __all__ = ["InvalidRequest", "PrefillError", "PrefillWorker"]
 
 
+# How long a signed handoff stays valid. It only has to outlive the trip to decode and decode's
+# queue; prefill holds the blocks for its KV lease, and a handoff past that is useless anyway.
+HANDOFF_TTL_S = 120.0
+
+
 class PrefillError(RuntimeError):
     code = "prefill_failed"
     fault = "server"
@@ -38,12 +43,14 @@ class PrefillWorker:
     then answers with a FullMediaRequest (prompt text and image bytes) instead of a Handoff."""
 
     def __init__(self, engine: Engine, *, limits: ImageLimits = ImageLimits(),
-                 full_media: bool = False, key: bytes | None = None) -> None:
-        """`key`: sign every handoff with it (decode is given the same key)."""
+                 full_media: bool = False, key: bytes | None = None,
+                 ttl_s: float = HANDOFF_TTL_S) -> None:
+        """`key`: sign every handoff with it, with a nonce and an expiry `ttl_s` from now
+        (decode is given the same key)."""
         self.engine = engine
         self.prompts = PromptBuilder(engine, limits)
         self.full_media = full_media
-        self.key = key
+        self.key, self.ttl_s = key, ttl_s
 
     async def generate(self, request: PrefillRequest
                        ) -> AsyncIterator[tuple[Handoff, PrefillStats]]:
@@ -72,7 +79,7 @@ class PrefillWorker:
             cache_salt=request.cache_salt,
         )
         if self.key is not None:
-            handoff = sign(handoff, self.key)
+            handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
         stats = PrefillStats(
             images=len(images), image_bytes=sum(i.source_bytes for i in images),
             prompt_tokens=len(rendered.token_ids), prepare_ms=(t1 - t0) * 1e3,
@@ -109,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     from mmhandoff.serving.launch import run
 
     def make_handler(engine, args):
-        return PrefillWorker(engine, full_media=args.full_media, key=args.handoff_key).handle
+        key = args.handoff_keys[0] if args.handoff_keys else None  # the first key signs
+        return PrefillWorker(engine, full_media=args.full_media, key=key).handle
 
     return run("prefill", "prefill", ENDPOINT, make_handler, ERRORS, argv)
 

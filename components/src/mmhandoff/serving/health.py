@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
-import socket
 import sys
 
 ENGINE_DEAD = 3
@@ -39,15 +37,9 @@ def start_not_ready() -> None:
 
 def free_system_port() -> int:
     """A loopback port the system status server can take (see MAX_SYSTEM_PORT)."""
-    for _ in range(200):
-        port = random.randint(20000, MAX_SYSTEM_PORT)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise OSError(f"no free port in 20000-{MAX_SYSTEM_PORT}")
+    from mmhandoff.serving.ports import free_port
+
+    return free_port()
 
 
 async def watch_engine(rt, engine, name: str, interval_s: float = INTERVAL_S) -> str:

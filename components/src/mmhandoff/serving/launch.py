@@ -50,23 +50,27 @@ KEY_ENV, KEY_FILE_ENV = "MMHANDOFF_HANDOFF_KEY", "MMHANDOFF_HANDOFF_KEY_FILE"
 MIN_KEY_BYTES = 16
 
 
-def handoff_key(args: argparse.Namespace) -> bytes | None:
-    """The handoff signing key from --handoff-key-file or $MMHANDOFF_HANDOFF_KEY (None: no
-    signing). A key too short to be a secret is refused, not used."""
+def handoff_keys(args: argparse.Namespace) -> tuple[bytes, ...]:
+    """The handoff keys from --handoff-key-file or $MMHANDOFF_HANDOFF_KEY, one per line (empty:
+    no signing). The first signs; decode accepts any of them, so a rotation adds the new key
+    second, then moves it first, then drops the old one. A key too short to be a secret is
+    refused, not used."""
     if args.handoff_key_file:
         try:
-            key = Path(args.handoff_key_file).read_bytes().strip()
+            text = Path(args.handoff_key_file).read_bytes()
         except OSError as e:
             raise SystemExit(f"--handoff-key-file: {e}") from None
         source = args.handoff_key_file
     elif os.environ.get(KEY_ENV):
-        key, source = os.environ[KEY_ENV].strip().encode(), f"${KEY_ENV}"
+        text, source = os.environ[KEY_ENV].encode(), f"${KEY_ENV}"
     else:
-        return None
-    if len(key) < MIN_KEY_BYTES:
-        raise SystemExit(f"the handoff key in {source} is {len(key)} bytes; at least "
-                         f"{MIN_KEY_BYTES} are needed")
-    return key
+        return ()
+    keys = tuple(line.strip() for line in text.splitlines() if line.strip())
+    short = [len(k) for k in keys if len(k) < MIN_KEY_BYTES]
+    if not keys or short:
+        raise SystemExit(f"the handoff keys in {source} must each be at least {MIN_KEY_BYTES} "
+                         f"bytes (got lengths {[len(k) for k in keys]})")
+    return keys
 
 
 def _engine_arg(value: str) -> tuple[str, Any]:
@@ -119,7 +123,7 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
     from mmhandoff.vllm_adapter import start_engine
 
     spec = engine_spec(args, spec_role(args) if callable(spec_role) else spec_role)
-    args.handoff_key = handoff_key(args)  # before the engine starts: a bad key fails at once
+    args.handoff_keys = handoff_keys(args)  # before the engine starts: a bad key fails at once
     start_not_ready()
     engine = start_engine(spec)
     rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,

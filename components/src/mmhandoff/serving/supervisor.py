@@ -23,7 +23,6 @@ import importlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 from mmhandoff.serving.graph import Component
 from mmhandoff.serving.health import ENGINE_DEAD, free_system_port
 from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV
+from mmhandoff.serving.ports import free_port
 
 GRACE_S = 60.0  # for the whole stop: long enough for in-flight answers to finish
 
@@ -134,12 +134,6 @@ def graph_env(config: dict, base: Mapping[str, str], run_dir: Path) -> dict[str,
     return env
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _arg(args: list[str], flag: str, default: str) -> str:
     return args[args.index(flag) + 1] if flag in args[:-1] else default
 
@@ -169,7 +163,7 @@ class Supervisor:
         if component.engine:
             if self.config.get("model"):
                 args += ["--model", str(self.config["model"])]
-            args += ["--nixl-port", str(_port())]
+            args += ["--nixl-port", str(free_port())]
         for role, endpoint in component.wiring().items():  # the graph's links, nothing else
             args += [f"--{role}", endpoint or "none"]
         return [sys.executable, "-m", f"mmhandoff.{component.module}", *args]

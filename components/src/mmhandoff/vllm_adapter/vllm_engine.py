@@ -57,12 +57,6 @@ class VllmEngine:
         self.block_size = llm.vllm_config.cache_config.block_size
         self._refused = _client_errors()
 
-    @classmethod
-    def start(cls, spec, load=None) -> "VllmEngine":
-        from mmhandoff.vllm_adapter.engine import start_llm
-
-        return cls(start_llm(spec, load))
-
     def chat_prompt(self, conversation: list[dict[str, Any]]) -> str:
         return self._tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=True)

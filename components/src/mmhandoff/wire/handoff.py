@@ -7,14 +7,23 @@ to pull. Decoding is strict: every malformed, truncated or forbidden message rai
 
     wire = encode_handoff(h)                     # bytes
     h = decode_handoff(wire)                     # structural rules checked
-    check_admission(h, fingerprint=...)          # rules that need the decode engine's context
+    check_admission(h, fingerprint=..., keys=..) # rules that need the decode engine's context
+
+Integrity: with a key shared by prefill and decode, prefill signs every handoff (`sign` with a
+TTL: an HMAC-SHA256 over the whole message, including a fresh nonce and an expiry), and decode
+refuses one that is unsigned, signed with no key it has, tampered (an image hash relabelled,
+token ids or block ids changed), expired, or seen before (`ReplayGuard`: a handoff is single
+use). Prefill's signature is what binds an image's hash to the KV the handoff names. Expiry is
+prefill's wall clock against decode's: hosts must agree within the TTL (NTP does).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Any
+import secrets
+import time
+from typing import Any, Sequence
 
 import msgspec
 
@@ -75,6 +84,18 @@ class DigestMismatch(HandoffError):
     code = "digest_mismatch"
 
 
+class Unsigned(HandoffError):
+    code = "unsigned"
+
+
+class Expired(HandoffError):
+    code = "expired"
+
+
+class Replayed(HandoffError):
+    code = "replayed"
+
+
 class KVMismatch(HandoffError):
     """The KV blocks the handoff names do not match its token ids (checked by the engine
     adapter, which knows the block size and the connector's parameters)."""
@@ -126,6 +147,8 @@ class Handoff(_Strict):
     kv_transfer_params: dict[str, Any]
     sampling: Sampling
     cache_salt: str | None = None
+    nonce: str | None = None  # set by `sign` with a TTL: makes the handoff single use
+    expires_at: float | None = None  # unix seconds, prefill's clock
     digest: str | None = None  # hex HMAC-SHA256 over the message without it (see `sign`)
 
     def __repr__(self) -> str:  # never dump token ids or transfer params into logs
@@ -227,8 +250,11 @@ def check_structure(h: Handoff) -> None:
         raise MalformedHandoff("sampling.max_tokens must be at least 1")
 
 
-def check_admission(h: Handoff, *, fingerprint: str, key: bytes | None = None) -> None:
-    """The decode-side rules that need the engine's context (its model fingerprint, the key)."""
+def check_admission(h: Handoff, *, fingerprint: str, keys: Sequence[bytes] = (),
+                    now: float | None = None) -> None:
+    """The decode-side rules that need the engine's context: its model fingerprint, and the keys
+    a handoff may be signed with (several during a key rotation; none: unsigned handoffs are
+    taken, and a digest, if any, is checked as a checksum)."""
     if h.sampling.prompt_logprobs is not None:
         raise UnsupportedRequest("prompt logprobs need the prompt computed; decode does not")
     if h.features.mm_hashes and not h.requires_kv:
@@ -237,14 +263,51 @@ def check_admission(h: Handoff, *, fingerprint: str, key: bytes | None = None) -
         raise FingerprintMismatch(
             f"handoff is for model {h.model_fingerprint[:16]}..., this engine serves "
             f"{fingerprint[:16]}...")
-    if key is not None or h.digest is not None:
-        if h.digest is None or not hmac.compare_digest(h.digest, _mac(h, key or b"")):
-            raise DigestMismatch("handoff digest does not verify")
+    if keys:
+        if h.digest is None:
+            raise Unsigned("handoff is not signed; this decode takes signed handoffs only")
+        if not any(hmac.compare_digest(h.digest, _mac(h, key)) for key in keys):
+            raise DigestMismatch("handoff digest does not verify with any of decode's keys")
+        if h.nonce is None or h.expires_at is None:
+            raise Unsigned("a signed handoff needs a nonce and an expiry")
+        if (time.time() if now is None else now) > h.expires_at:
+            raise Expired("handoff expired before decode got it")
+    elif h.digest is not None and not hmac.compare_digest(h.digest, _mac(h, b"")):
+        raise DigestMismatch("handoff checksum does not verify")
 
 
-def sign(h: Handoff, key: bytes = b"") -> Handoff:
-    """Return `h` with its digest set (HMAC-SHA256 with `key`; an empty key is a checksum)."""
+def sign(h: Handoff, key: bytes = b"", *, ttl_s: float | None = None,
+         now: float | None = None) -> Handoff:
+    """Return `h` with its digest set (HMAC-SHA256 with `key`; an empty key is a checksum).
+    With `ttl_s`, it also gets a fresh nonce and expires `ttl_s` from `now`."""
+    if ttl_s is not None:
+        h = msgspec.structs.replace(h, nonce=secrets.token_hex(16),
+                                    expires_at=(time.time() if now is None else now) + ttl_s)
     return msgspec.structs.replace(h, digest=_mac(h, key))
+
+
+class ReplayGuard:
+    """The nonces of admitted handoffs until they expire: a handoff is admitted once. Memory is
+    bounded by the rate of handoffs times their TTL."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}  # nonce -> expires_at, in admission order
+        self._next_prune = 0.0
+
+    def admit(self, h: Handoff, now: float | None = None) -> None:
+        if h.nonce is None or h.expires_at is None:
+            return  # unsigned handoffs (no keys configured) carry no nonce
+        now = time.time() if now is None else now
+        if now >= self._next_prune:  # at most once a second
+            self._seen = {n: t for n, t in self._seen.items() if t >= now}
+            self._next_prune = now + 1.0
+        if h.nonce in self._seen:
+            raise Replayed(f"handoff {h.request_id!r} was already admitted (a handoff is single "
+                           "use)")
+        self._seen[h.nonce] = h.expires_at
+
+    def __len__(self) -> int:
+        return len(self._seen)
 
 
 def _mac(h: Handoff, key: bytes) -> str:
