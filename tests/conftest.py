@@ -223,6 +223,7 @@ def image_server(loop):
     app.router.add_get("/img.png", answer(lambda: web.Response(body=IMAGE_SERVER_PNG,
                                                                content_type="image/png")))
     app.router.add_get("/big", answer(lambda: web.Response(body=b"\0" * (3 << 20))))
+    app.router.add_get("/900k", answer(lambda: web.Response(body=b"\0" * (900 << 10))))
     app.router.add_get("/text", answer(lambda: web.Response(text="not an image")))
     app.router.add_get("/slow", slow)
     app.router.add_get("/to-img", redirect("/img.png"))

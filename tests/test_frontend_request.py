@@ -116,6 +116,11 @@ BAD_CASES = {
                         "image_url_forbidden"),
     "URL to localhost": (chat_body("http://localhost:9/x.png"), 400, "image_url_forbidden"),
     "URL to ::1": (chat_body("http://[::1]:9/x.png"), 400, "image_url_forbidden"),
+    # IPv6 addresses that carry 127.0.0.1 or the metadata address (each judged by its IPv4)
+    **{f"URL to {v6}": (chat_body(f"http://[{v6}]:9/x.png"), 400, "image_url_forbidden")
+       for v6 in ("::7f00:1", "::ffff:127.0.0.1", "64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe",
+                  "2002:7f00:1::1", "2001:0:4136:e378:8000:63bf:80ff:fffe",
+                  "64:ff9b:1::7f00:1")},
     "file URL": (chat_body("file:///etc/passwd"), 400, "invalid_image_url"),
     "server-side path part": (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image", "image": "/etc/passwd"}]}]}).encode(), 400, "invalid_content_part"),
@@ -157,6 +162,24 @@ URL_CASES = {  # path on the loopback image server -> (status, code), with loopb
 def test_image_url_guard_with_loopback_allowed(open_server, image_server, backends, path):
     got_status, got = post(open_server, chat_body(image_server + path))
     assert (got_status, got["error"]["code"]) == URL_CASES[path]
+    assert [b.calls for b in backends] == [0, 0]
+
+
+def test_image_urls_of_one_request_are_bounded_together(loop, image_server, backends):
+    """Each 900 KiB body is under the 1 MiB per-image limit; three of them are over the 2 MiB a
+    request may fetch (its body limit)."""
+    policy = FetchPolicy(allow_networks=FetchPolicy.networks("127.0.0.0/8"), timeout_s=5)
+    limits = FrontendLimits(max_body_bytes=2 << 20, max_images=4, max_image_bytes=1 << 20)
+    runner = Frontend(*backends, MODEL, limits=limits, fetch_policy=policy).runner()
+    url = serve_app(loop, runner)
+    try:
+        got_status, got = post(url, chat_body(*[image_server + "/900k"] * 3))
+        assert (got_status, got["error"]["code"]) == (413, "image_too_large")
+        assert "together" in got["error"]["message"]
+        got_status, got = post(url, chat_body(*[image_server + "/900k"] * 2))  # 1.8 MiB: read
+        assert (got_status, got["error"]["code"]) == (400, "invalid_image")  # (zeros)
+    finally:
+        loop.run(runner.cleanup())
     assert [b.calls for b in backends] == [0, 0]
 
 

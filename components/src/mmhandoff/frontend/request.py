@@ -19,7 +19,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from mmhandoff.media.fetch import FetchPolicy, ImageFetcher
+from mmhandoff.media.fetch import ByteBudget, FetchPolicy, ImageFetcher
 from mmhandoff.media.images import (
     ImageError,
     ImageLimits,
@@ -84,7 +84,9 @@ class RequestReader:
         if len(images) > self.limits.max_images:
             raise ApiError(400, f"{len(images)} images; at most {self.limits.max_images} per "
                                 "request", "too_many_images")
-        uris = await asyncio.gather(*(self._image(p.image_url.url) for p in images))
+        # fetched images together may take what a body could carry (each: max_image_bytes)
+        budget = ByteBudget(self.limits.max_body_bytes)
+        uris = await asyncio.gather(*(self._image(p.image_url.url, budget) for p in images))
         for part, uri in zip(images, uris):  # image parts now carry checked data URIs
             part.image_url.url = uri
         return PrefillRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=typed,
@@ -139,14 +141,14 @@ class RequestReader:
         raise ApiError(400, f"unsupported content part {kind!r}: text and image_url are "
                             "supported", "invalid_content_part")
 
-    async def _image(self, url: str) -> str:
+    async def _image(self, url: str, budget: ByteBudget) -> str:
         """A checked data URI for an image given as a data URI or an http(s) URL."""
         limits = ImageLimits(max_bytes=self.limits.max_image_bytes)
         try:
             if url.startswith("data:"):  # prefill decodes it all: here the header is enough
                 size, data = peek_data_uri(url, limits)
             elif url.startswith(("http://", "https://")):
-                data = await self.fetcher.fetch(url)
+                data = await self.fetcher.fetch(url, budget)
                 size = len(data)
             else:
                 raise ApiError(400, "image_url must be a data URI or an http(s) URL",
