@@ -3,8 +3,8 @@ anything starts. Each refusal is an `ApiError` (status, OpenAI-style code); noth
 
 Messages are parsed here, once, into typed parts (mmhandoff.wire.messages: text and image_url
 parts only), so a client cannot pass any other form through (e.g. a server-side file path).
-Image URLs are fetched here, behind mmhandoff.media.fetch's guard, and travel on as data URIs: workers never
-open a connection for a client.
+Image URLs are fetched here, behind mmhandoff.media.fetch's guard, and travel on as data URIs:
+workers never open a connection for a client.
 """
 
 from __future__ import annotations
