@@ -8,6 +8,7 @@
 - spin, held_kv: vLLM plugins (entry point `vllm.general_plugins`, run in vLLM's own processes)
   that keep idle engine processes off the CPU
 - fast_exit: a vLLM plugin that lets an engine's processes end by themselves in under a second
+- amx: a vLLM plugin that asks the kernel for the AMX state vLLM's CPU attention needs
 """
 
 from mmhandoff.vllm_adapter.engine import EngineSpec, start_engine
