@@ -1,10 +1,13 @@
 """The frontend's answer loop against scripted workers (no engine): typed chunks in, the OpenAI
 answer out; a worker's typed error becomes 4xx or 5xx by whose fault it is; decode failing
-closed is retried through prefill a bounded number of times."""
+closed, or a worker lost before the answer started, is retried through prefill a bounded number
+of times; a worker lost after it started ends the answer with an error, never a short 200."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -27,8 +30,14 @@ pytestmark = pytest.mark.unit
 MODEL = "tiny-llava"
 
 
+# Script entries for a worker that is lost: its stream breaks as Dynamo's does when the peer
+# dies (a plain exception from the stream), or it stays silent.
+LOST = ValueError("Stream ended before generation completed")
+SILENT = "silent"
+
+
 class Scripted:
-    """A Dynamo client whose n-th call streams the n-th script (a list of builtin items)."""
+    """A Dynamo client whose n-th call streams the n-th script (builtin items, LOST, SILENT)."""
 
     def __init__(self, *scripts) -> None:
         self.scripts, self.requests = list(scripts), []
@@ -42,6 +51,10 @@ class Scripted:
 
         async def stream():
             for item in script:
+                if item is LOST:
+                    raise LOST
+                if item is SILENT:
+                    await asyncio.sleep(3600)
                 yield Item(item)
         return stream()
 
@@ -55,9 +68,9 @@ def handoff_answer(rid="r") -> dict:
     return msgspec.to_builtins(PrefillAnswer(handoff=h, stats=stats))
 
 
-def chunk(text, ids, finish=None) -> dict:
-    stats = DecodeStats(request_bytes=300, prepare_ms=0.5, prompt_tokens=3,
-                        kv_tokens_pulled=3) if finish else None
+def chunk(text, ids, finish=None, prompt_tokens=3) -> dict:
+    stats = DecodeStats(request_bytes=300, prepare_ms=0.5, prompt_tokens=prompt_tokens,
+                        kv_tokens_pulled=prompt_tokens) if finish else None
     return msgspec.to_builtins(DecodeChunk(request_id="r", token_ids=ids, text=text,
                                            finish_reason=finish, stats=stats))
 
@@ -69,16 +82,20 @@ def envelope(code, fault, message="no") -> dict:
 ANSWER = [chunk("Hel", [5]), chunk("lo", [6], "length")]
 
 
-def ask(loop, prefill, decode, retries=1):
-    runner = Frontend(prefill, decode, MODEL, retries=retries).runner()
+def ask(loop, prefill, decode, retries=1, stream=False, stall_s=30.0, max_tokens=2, **kw):
+    """(status, body); a stream's body is its list of SSE data fields."""
+    runner = Frontend(prefill, decode, MODEL, retries=retries, stall_s=stall_s, **kw).runner()
     url = serve_app(loop, runner)
-    body = json.dumps({"model": MODEL, "max_tokens": 2,
+    body = json.dumps({"model": MODEL, "max_tokens": max_tokens, "stream": stream,
                        "messages": [{"role": "user", "content": "Hi"}]}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     try:
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
+                if stream:
+                    return r.status, [line[6:] for line in r.read().decode().split("\n\n")
+                                      if line.startswith("data: ")]
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
@@ -135,3 +152,76 @@ def test_a_malformed_message_between_components_is_our_500(loop, prefill_item, d
     status, got = ask(loop, Scripted([prefill_item]), Scripted(decode_items))
     assert (status, got["error"]["code"], got["error"]["type"]) == (500, "internal",
                                                                     "server_error")
+
+
+def test_a_decode_lost_before_its_first_token_is_retried_then_answered(loop):
+    prefill = Scripted([handoff_answer("a")], [handoff_answer("b")])
+    decode = Scripted([LOST], ANSWER)
+    status, got = ask(loop, prefill, decode)
+    assert status == 200 and got["choices"][0]["message"]["content"] == "Hello"
+    assert got["mmhandoff"]["retries"] == 1 and len(prefill.requests) == 2
+
+
+@pytest.mark.parametrize("broken", [
+    [chunk("Hel", [5]), LOST],  # the replica died mid-stream
+    [chunk("Hel", [5])],  # the stream closed cleanly, but no chunk ended the answer
+    [chunk("Hel", [5]), SILENT],  # the replica went silent
+], ids=["broken", "closed early", "silent"])
+def test_a_decode_lost_mid_answer_is_an_error_never_a_short_answer(loop, broken):
+    """Without migration (or past its limit: the same holds for the last replica lost)."""
+    status, got = ask(loop, Scripted([handoff_answer()]), Scripted(broken), stall_s=0.5,
+                      migration_limit=0)
+    assert (status, got["error"]["code"], got["error"]["type"]) == (503, "decode_failed",
+                                                                    "server_error")
+    status, events = ask(loop, Scripted([handoff_answer()]), Scripted(broken), stream=True,
+                         stall_s=0.5, migration_limit=0)
+    assert status == 200  # sent with the first token
+    first, last = json.loads(events[0]), json.loads(events[-1])
+    assert first["choices"][0]["delta"] == {"content": "Hel"}
+    assert last["error"]["code"] == "decode_failed" and len(events) == 2  # and no [DONE]
+
+
+@pytest.mark.parametrize("script", [[LOST], [SILENT]], ids=["died", "silent"])
+def test_a_lost_prefill_is_a_503_in_bounded_time(loop, script):
+    prefill = Scripted(script)
+    t0 = time.monotonic()
+    status, got = ask(loop, prefill, Scripted(ANSWER), retries=1, stall_s=0.5)
+    assert (status, got["error"]["code"]) == (503, "prefill_failed")
+    assert len(prefill.requests) == 2  # retried once (another replica may take it), then 503
+    assert time.monotonic() - t0 < 10  # 2 x stall_s, and some slack for a loaded machine
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_migrates_when_its_decode_replica_is_lost(loop, stream):
+    """Prefill gets the prompt again followed by the tokens already sent, with max_tokens for the
+    rest; the client sees one answer, its usage counted as if nothing happened."""
+    prefill = Scripted([handoff_answer("a")], [handoff_answer("b")])
+    decode = Scripted([chunk("Hel", [5]), chunk("l", [6]), LOST],
+                      [chunk("o", [7]), chunk("!", [8], "length", prompt_tokens=5)])
+    status, got = ask(loop, prefill, decode, stream=stream, max_tokens=4)
+    assert status == 200
+    first, again = prefill.requests
+    assert "continuation" not in first or first["continuation"] == []
+    assert again["continuation"] == [5, 6] and again["sampling"]["max_tokens"] == 2
+    assert {k: v for k, v in again.items() if k not in ("continuation", "sampling")} == \
+        {k: v for k, v in first.items() if k not in ("continuation", "sampling")}
+    if stream:
+        *chunks, done = got
+        assert done == "[DONE]"
+        parts = [json.loads(c) for c in chunks]
+        assert "".join(p["choices"][0]["delta"].get("content", "") for p in parts) == "Hello!"
+        usage = parts[-1]["usage"]
+    else:
+        assert got["choices"][0]["message"]["content"] == "Hello!"
+        assert got["mmhandoff"]["migrations"] == 1 and got["mmhandoff"]["retries"] == 0
+        usage = got["usage"]
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def test_migrations_are_bounded(loop):
+    decode = Scripted([chunk("a", [5]), LOST])  # every replica is lost after one token
+    prefill = Scripted([handoff_answer()])
+    status, got = ask(loop, prefill, decode, max_tokens=16, migration_limit=2)
+    assert (status, got["error"]["code"]) == (503, "decode_failed")
+    assert len(prefill.requests) == len(decode.requests) == 3
+    assert [len(r.get("continuation", [])) for r in prefill.requests] == [0, 1, 2]

@@ -30,6 +30,8 @@ class AggWorker:
         t0 = time.perf_counter()
         images = await self.prompts.images(request)
         rendered = await self.engine.render(self.prompts.text(request), images)
+        if request.continuation:
+            rendered = self.engine.extend(rendered, request.continuation)
         prepare_ms = (time.perf_counter() - t0) * 1e3
         engine_request_id = f"{request.request_id}:agg:{uuid.uuid4().hex[:8]}"
         async with aclosing(stream_answer(

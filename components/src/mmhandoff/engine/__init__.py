@@ -86,6 +86,11 @@ class Engine(Protocol):
         """A request for `rendered` (prefill, agg, and the full-media arm)."""
         ...
 
+    def extend(self, rendered: Rendered, token_ids: list[int]) -> Rendered:
+        """`rendered` followed by `token_ids`: the prompt of an answer that continues from the
+        tokens already sent (a migrated request). The images keep their spans."""
+        ...
+
     async def kv_only(self, handoff: Handoff, request_id: str) -> Any:
         """A request that computes nothing the handoff's KV covers and has no media.
         Raises EngineInputError when the engine's own input checks refuse it."""

@@ -4,9 +4,11 @@ engine tier runs the same paths on vLLM.
 
 - Tokens: one per whitespace-separated word (a stable hash), and IMAGE_TOKENS placeholder
   tokens per "<image>" in the prompt, one image each, identified by its content hash.
-- Answers: token k of an answer is a hash of (prompt token ids, image hashes, k). An agg request
-  and a handoff of the same prompt and images therefore give the same answer, and different
-  images give different answers. Sampling settings other than max_tokens are not modelled.
+- Answers: each token is a hash of (the prompt's token ids followed by the answer's tokens so
+  far, image hashes), autoregressive like a model. An agg request and a handoff of the same
+  prompt and images therefore give the same answer, different images give different answers,
+  and a prompt extended by an answer's first k tokens (a migrated request) goes on with token
+  k + 1. Sampling settings other than max_tokens are not modelled.
 - KV: engines built on one FakeKV share it, like engines that reach each other through NIXL. A
   prefill request (kv_transfer_params `do_remote_decode`) leaves its prompt's KV there under a
   fresh key; a request that names such a key takes it (once). A request whose key is not there,
@@ -107,6 +109,11 @@ class FakeEngine:
                            sampling.max_tokens if max_tokens is None else max_tokens,
                            kv_transfer_params)
 
+    def extend(self, rendered: Rendered, token_ids: list[int]) -> Rendered:
+        ids = [*rendered.token_ids, *token_ids]
+        self._check_length(ids)
+        return Rendered(ids, rendered.features, rendered.engine_input)
+
     async def kv_only(self, handoff: Handoff, request_id: str) -> FakeRequest:
         self._check_length(handoff.token_ids)
         return FakeRequest(list(handoff.token_ids), list(handoff.features.mm_hashes.get(
@@ -131,11 +138,13 @@ class FakeEngine:
                 yield Step([], "", finish_reason="error", prompt_tokens=len(request.token_ids),
                            kv_failure=failure)
                 return
+            context = list(request.token_ids)
             for k in range(request.max_tokens):
                 await asyncio.sleep(self.step_s)
                 if request_id in self.aborted:
                     return
-                token = 10 + _h(request.token_ids, request.image_hashes, k) % (VOCAB - 10)
+                token = 10 + _h(context, request.image_hashes) % (VOCAB - 10)
+                context.append(token)
                 last = k == request.max_tokens - 1
                 step = Step([token], f" w{token}", prompt_tokens=len(request.token_ids))
                 if last:

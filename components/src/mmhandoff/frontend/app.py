@@ -47,7 +47,11 @@ DRAIN_S = 30.0
 
 
 # Failures of ours that a client may retry later (503); any other fault of ours is a 500.
-UNAVAILABLE = frozenset({"kv_coverage", "prefill_failed"})
+UNAVAILABLE = frozenset({"kv_coverage", "prefill_failed", "decode_failed"})
+# Failures retried through prefill while nothing of the answer has been sent: decode failed
+# closed, or a worker was lost (died, or silent for `stall_s`); another replica may take it.
+RETRIED = frozenset({"kv_coverage", "prefill_failed", "decode_failed"})
+STALL_S = 120.0  # the longest a worker may stay silent before its request counts as lost
 
 
 @dataclass
@@ -69,10 +73,12 @@ def api_error(e: RemoteError) -> ApiError:
 
 class Frontend:
     def __init__(self, prefill, decode, model: str, *, limits: FrontendLimits = FrontendLimits(),
-                 fetch_policy: FetchPolicy = FetchPolicy(), retries: int = 1) -> None:
+                 fetch_policy: FetchPolicy = FetchPolicy(), retries: int = 1,
+                 migration_limit: int = 3, stall_s: float = STALL_S) -> None:
         # Dynamo clients. prefill=None: `decode` takes the request itself (the agg worker).
         self.prefill, self.decode = prefill, decode
-        self.model, self.limits, self.retries = model, limits, retries
+        self.model, self.limits, self.stall_s = model, limits, stall_s
+        self.retries, self.migration_limit = retries, migration_limit
         self.reader = RequestReader(model, limits, fetch_policy)
         self.metrics = FrontendMetrics()
 
@@ -102,11 +108,8 @@ class Frontend:
             error = e
         except (web.HTTPException, asyncio.CancelledError):
             raise
-        except Exception as e:  # a bug or a component failing outside its typed errors
-            print(f"[frontend] {request.method} {request.path} failed: {e!r}", file=sys.stderr,
-                  flush=True)
-            error = ApiError(500, f"internal error: {type(e).__name__}", "internal",
-                             "server_error")
+        except Exception as e:  # a bug
+            error = _internal(request, e)
         self.metrics.errors.labels(error.code).inc()
         return web.json_response(
             {"error": {"message": str(error), "type": error.kind, "code": error.code}},
@@ -175,19 +178,28 @@ class Frontend:
             await send(_chunk(api, request_id, self.model, created, first))
             async for piece in pieces:
                 await send(_chunk(api, request_id, self.model, created, piece))
-        except ApiError as e:  # after the first token the status is sent: say it in the stream
-            self.metrics.errors.labels(e.code).inc()
-            await send({"error": {"message": str(e), "type": e.kind, "code": e.code}})
-        await response.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # the status is sent: the stream says it failed, and no [DONE]
+            error = e if isinstance(e, ApiError) else _internal(request, e)
+            self.metrics.errors.labels(error.code).inc()
+            await send({"error": {"message": str(error), "type": error.kind, "code": error.code}})
+        else:
+            await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
     async def _answer(self, prefill_request, t0: float) -> AsyncIterator[Piece]:
-        """The answer's pieces; retries through prefill when decode fails closed."""
-        for attempt in range(self.retries + 1):
-            sent, last_t = 0, None
+        """The answer's pieces. When decode fails closed or a worker is lost (RETRIED) before the
+        first token, the request goes through prefill again (`retries` times at most). When a
+        decode replica is lost mid-answer, the request migrates: prefill computes the prompt
+        followed by the tokens already sent, and another replica goes on from there
+        (`migration_limit` times at most). Past those bounds the answer ends with the error,
+        never as a silent, short answer."""
+        request, generated, retries, migrations, last_t = prefill_request, [], 0, 0, None
+        while True:
             try:
-                async with aclosing(self._decode(prefill_request)) as chunks:
+                async with aclosing(self._decode(request)) as chunks:
                     async for chunk, prefill_stats in chunks:
                         now = time.perf_counter()
                         if last_t is None:
@@ -195,21 +207,35 @@ class Frontend:
                         else:
                             self.metrics.itl.observe(now - last_t)
                         last_t = now
-                        sent += len(chunk.token_ids)
+                        generated += chunk.token_ids
                         piece = Piece(chunk.text, chunk.finish_reason)
                         if piece.finish:
                             stats = chunk.stats or DecodeStats(request_bytes=-1, prepare_ms=-1)
                             self.metrics.record_decode(stats)
-                            piece.stats = AnswerStats(**msgspec.structs.asdict(stats),
-                                                      prefill=prefill_stats, retries=attempt)
-                            prompt = stats.prompt_tokens
-                            piece.usage = {"prompt_tokens": prompt, "completion_tokens": sent,
-                                           "total_tokens": prompt + sent}
+                            piece.stats = AnswerStats(
+                                **msgspec.structs.asdict(stats), prefill=prefill_stats,
+                                retries=retries, migrations=migrations)
+                            # decode's prompt includes the continuation: the client's does not
+                            prompt = stats.prompt_tokens - len(request.continuation)
+                            piece.usage = {"prompt_tokens": prompt,
+                                           "completion_tokens": len(generated),
+                                           "total_tokens": prompt + len(generated)}
                         yield piece
                 return
             except RemoteError as e:
-                if e.code == "kv_coverage" and not sent and attempt < self.retries:
+                left = prefill_request.sampling.max_tokens - len(generated)
+                if e.code in RETRIED and not generated and retries < self.retries:
+                    retries += 1
                     self.metrics.retries.inc()
+                    continue
+                if (e.code in RETRIED and generated and left > 0
+                        and migrations < self.migration_limit):
+                    migrations += 1
+                    self.metrics.migrations.inc()
+                    request = msgspec.structs.replace(
+                        prefill_request, continuation=list(generated),
+                        sampling=msgspec.structs.replace(prefill_request.sampling,
+                                                         max_tokens=left))
                     continue
                 raise api_error(e) from None
 
@@ -219,7 +245,8 @@ class Frontend:
         graph, where the one worker takes the request itself)."""
         request, prefill_stats = msgspec.to_builtins(prefill_request), None
         if self.prefill is not None:
-            prefilled = asyncio.ensure_future(call_one(self.prefill, request))
+            prefilled = asyncio.ensure_future(call_one(
+                self.prefill, request, lost="prefill_failed", stall_s=self.stall_s))
             try:
                 raw = await asyncio.shield(prefilled)
             except asyncio.CancelledError:  # the client left while prefill ran
@@ -227,9 +254,15 @@ class Frontend:
                 raise
             answer = _prefill_answer(raw)
             request, prefill_stats = answer.for_decode(), answer.stats
-        async with aclosing(call(self.decode, request)) as chunks:
+        finished = False
+        async with aclosing(call(self.decode, request, lost="decode_failed",
+                                 stall_s=self.stall_s)) as chunks:
             async for raw_chunk in chunks:
-                yield _decode_chunk(raw_chunk), prefill_stats
+                chunk = _decode_chunk(raw_chunk)
+                finished = chunk.finish_reason is not None
+                yield chunk, prefill_stats
+        if not finished:  # the stream closed cleanly but the answer did not end: a lost replica
+            raise RemoteError("decode_failed", "decode's stream ended before the answer did")
 
 
     async def _release(self, prefilled: asyncio.Future) -> None:
@@ -245,6 +278,13 @@ class Frontend:
         except Exception as e:  # nothing to answer to: the lease frees the blocks in the end
             print(f"[frontend] releasing an abandoned handoff failed: {e!r}", file=sys.stderr,
                   flush=True)
+
+
+def _internal(request, e: Exception) -> ApiError:
+    """A bug of ours: logged with its cause; the client gets a 500 (or an error event)."""
+    print(f"[frontend] {request.method} {request.path} failed: {e!r}", file=sys.stderr,
+          flush=True)
+    return ApiError(500, f"internal error: {type(e).__name__}", "internal", "server_error")
 
 
 def _from_peer(raw, kind: type, what: str):
@@ -309,7 +349,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated CIDRs that image URLs may reach although not public, "
                         'e.g. "127.0.0.0/8" (default: none)')
     p.add_argument("--image-fetch-timeout-s", type=float, default=10.0)
-    p.add_argument("--retries", type=int, default=1, help="retries through prefill on fail-closed")
+    p.add_argument("--retries", type=int, default=1,
+                   help="retries through prefill when decode fails closed or a worker is lost "
+                        "before the answer started")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="how many times an answer may continue on another decode replica after "
+                        "the one streaming it was lost")
+    p.add_argument("--stall-timeout-s", type=float, default=STALL_S,
+                   help="a worker silent this long (no answer, no next token) counts as lost")
     p.add_argument("--wait-s", type=float, default=600, help="how long to wait for the workers")
     args = p.parse_args(argv)
     try:
@@ -327,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             rt, f"{args.namespace}.{args.prefill}", args.wait_s)
         decode = await client(rt, f"{args.namespace}.{args.decode}", args.wait_s)
         frontend = Frontend(prefill, decode, args.model_name, fetch_policy=policy,
-                            retries=args.retries)
+                            retries=args.retries, migration_limit=args.migration_limit,
+                            stall_s=args.stall_timeout_s)
         runner = frontend.runner()
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()

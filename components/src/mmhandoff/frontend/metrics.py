@@ -38,8 +38,11 @@ class FrontendMetrics:
         self.kv_wait = Histogram("mmhandoff_decode_first_token_seconds", "Decode-side time from "
                                  "admission to first token: the KV pull plus one step",
                                  buckets=_LATENCY, registry=r)
-        self.retries = Counter("mmhandoff_retries", "Requests retried through prefill after "
-                               "decode failed closed", registry=r)
+        self.retries = Counter("mmhandoff_retries", "Requests sent through prefill again before "
+                               "their first token (decode failed closed, a worker was lost)",
+                               registry=r)
+        self.migrations = Counter("mmhandoff_migrations", "Answers continued on another decode "
+                                  "replica after the one streaming them was lost", registry=r)
         self.disconnects = Counter("mmhandoff_client_disconnects", "Streams the client left "
                                    "before the end (the request was aborted)", registry=r)
 

@@ -57,6 +57,10 @@ class PrefillWorker:
         t0 = time.perf_counter()
         images = await self.prompts.images(request)
         rendered = await self.engine.render(self.prompts.text(request), images)
+        if request.continuation:
+            if self.full_media:  # its decode renders the prompt text again: it would be lost
+                raise PrefillError("the full-media arm does not continue an answer")
+            rendered = self.engine.extend(rendered, request.continuation)
         t1 = time.perf_counter()
         engine_request = self.engine.request(rendered, request.sampling, max_tokens=1,
                                              kv_transfer_params={"do_remote_decode": True})
@@ -77,6 +81,7 @@ class PrefillWorker:
             kv_transfer_params=final.kv_transfer_params,
             sampling=request.sampling,
             cache_salt=request.cache_salt,
+            continued=len(request.continuation),
         )
         if self.key is not None:
             handoff = sign(handoff, self.key, ttl_s=self.ttl_s)

@@ -26,7 +26,8 @@ class Router:
 
     async def handle(self, handoff: dict) -> AsyncIterator[dict[str, Any]]:
         try:
-            async for chunk in call(self.decode, handoff, self.pick(handoff)):
+            async for chunk in call(self.decode, handoff, self.pick(handoff),
+                                    lost="decode_failed"):
                 yield chunk
         except RemoteError as e:  # decode's typed error goes back to the caller as it came
             yield error_envelope(e)

@@ -107,22 +107,40 @@ async def client(rt, path: str, timeout_s: float = 30.0):
     return c
 
 
-async def call(c, request: Any, instance_id: int | None = None) -> AsyncIterator[Any]:
+async def call(c, request: Any, instance_id: int | None = None, *, lost: str = "internal",
+               stall_s: float | None = None) -> AsyncIterator[Any]:
     """Stream the data items of one request, raising `RemoteError` on an error envelope. If the
     caller stops early (an error, a cancelled task, a closed generator), the remote handler is
-    told to stop generating."""
+    told to stop generating.
+
+    Whatever else goes wrong on the way (no live instance, the instance died mid-stream, its
+    handler failed outside its typed errors: Dynamo raises a plain exception for each) is the
+    callee's failure: `RemoteError(lost)`, ours. `stall_s` bounds the wait for each item: a callee
+    that stays silent longer is treated as lost too (a process stopped, a network partition)."""
     from dynamo.runtime import Context
 
     context = Context()
-    if instance_id is None:
-        stream = await c.round_robin(request, context=context)
-    else:
-        stream = await c.direct(request, instance_id, context=context)
     done = False
     try:
-        async for annotated in stream:
+        async with asyncio.timeout(stall_s):
+            if instance_id is None:
+                stream = await c.round_robin(request, context=context)
+            else:
+                stream = await c.direct(request, instance_id, context=context)
+        while True:
+            try:
+                async with asyncio.timeout(stall_s):
+                    annotated = await anext(stream)
+            except StopAsyncIteration:
+                break
             yield raise_for_error(annotated.data())
         done = True
+    except TimeoutError:
+        raise RemoteError(lost, f"no answer for {stall_s:g} s") from None
+    except (RemoteError, GeneratorExit):
+        raise
+    except Exception as e:  # Dynamo's: routing failed, stream broken, handler failed untyped
+        raise RemoteError(lost, f"{type(e).__name__}: {e}") from None
     finally:
         if not done:
             context.stop_generating()
@@ -139,15 +157,16 @@ def background(coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
     return task
 
 
-async def call_one(c, request: Any) -> Any:
+async def call_one(c, request: Any, *, lost: str = "internal",
+                   stall_s: float | None = None) -> Any:
     """The answer of an endpoint that yields exactly one item, as soon as it arrives. The end of
     its stream comes ~0.5-1 ms later (measured on the 2-core machine); it is awaited in the
     background instead of on the request's path."""
-    items = call(c, request)
+    items = call(c, request, lost=lost, stall_s=stall_s)
     try:
         item = await anext(items)
     except StopAsyncIteration:
-        raise RemoteError("internal", "the endpoint ended its answer without an item") from None
+        raise RemoteError(lost, "the endpoint ended its answer without an item") from None
     background(_drain(items))
     return item
 

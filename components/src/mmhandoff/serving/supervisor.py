@@ -10,8 +10,13 @@ callers first, each stage after the previous one exited: the frontend finishes t
 has in flight while the workers still serve them, then the workers go (SIGTERM to each replica's
 process group, a dead replica's included, since its engine processes outlive it; serve waits for
 the group to empty, so they and Python's resource tracker unlink their shared memory; SIGKILL to
-whatever is left after a grace period). It exits 0 on a requested stop, 1 when a component died
-(no restart: a graph that lost a part says so instead of limping on). Discovery is a fresh file
+whatever is left after a grace period). It exits 0 on a requested stop, 1 when a component died.
+
+Once the graph is ready, a dead replica of a component with several replicas is restarted (the
+others serve meanwhile; the frontend retries or ends the requests it had in flight there): after
+1, 4, then 16 s, at most MAX_RESTARTS times in a row (a replica up for STEADY_S is forgiven its
+earlier restarts); then serve gives up and stops the graph with exit 1. The only replica of a
+component is not restarted: a graph that lost a part says so instead of limping on. Discovery is a fresh file
 folder per run and requests go over TCP, unless the YAML names `etcd: <url>` (discovery through
 etcd) and/or `nats: <url>` (requests over NATS). NIXL side-channel ports are picked free per
 replica.
@@ -144,6 +149,16 @@ class Replica:
     module: str
     proc: subprocess.Popen
     health_url: str  # 200 once ready
+    component: Component
+    index: int
+    started: float  # time.monotonic() of its (re)start
+    restarts: int = 0  # in a row: reset once it stayed up for STEADY_S
+    restart_at: float | None = None  # when a dead replica is started again
+
+
+MAX_RESTARTS = 3  # in a row, per replica; then serve gives up and stops the graph
+BACKOFF_S = (1.0, 4.0, 16.0)  # before the 1st, 2nd, 3rd restart in a row
+STEADY_S = 300.0  # a replica up this long has its restarts forgiven
 
 
 class Supervisor:
@@ -169,25 +184,56 @@ class Supervisor:
         return [sys.executable, "-m", f"mmhandoff.{component.module}", *args]
 
     def start(self) -> None:
-        env = graph_env(self.config, os.environ, self.run_dir)
+        self.env = graph_env(self.config, os.environ, self.run_dir)
         for component in self.components:
-            spec = self.config.get("components", {}).get(component.module) or {}
-            for i in range(int(spec.get("replicas", 1))):
-                name = f"{component.module}-{i}"
-                own = {k: str(v) for k, v in (spec.get("env") or {}).items()}
-                if component.module == "frontend":
-                    health = self.frontend_url() + "/health"
-                else:  # Dynamo's system status server: /health is 200 once the worker is ready.
-                    # One port per replica, always serve's choice (a YAML value would collide).
-                    own["DYN_SYSTEM_PORT"] = str(free_system_port())
-                    health = f"http://127.0.0.1:{own['DYN_SYSTEM_PORT']}/health"
-                proc = subprocess.Popen(
-                    self.command(component), env={**env, **own},
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                    start_new_session=True)
-                self.replicas.append(Replica(name, component.module, proc, health))
-                threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
-                print(f"[serve] started {name} (pid {proc.pid}, health {health})", flush=True)
+            for i in range(self.replica_count(component)):
+                self.replicas.append(self._launch(component, i))
+
+    def replica_count(self, component) -> int:
+        spec = self.config.get("components", {}).get(component.module) or {}
+        return int(spec.get("replicas", 1))
+
+    def _launch(self, component, i: int) -> Replica:
+        spec = self.config.get("components", {}).get(component.module) or {}
+        name = f"{component.module}-{i}"
+        own = {k: str(v) for k, v in (spec.get("env") or {}).items()}
+        if component.module == "frontend":
+            health = self.frontend_url() + "/health"
+        else:  # Dynamo's system status server: /health is 200 once the worker is ready.
+            # One port per replica, always serve's choice (a YAML value would collide).
+            own["DYN_SYSTEM_PORT"] = str(free_system_port())
+            health = f"http://127.0.0.1:{own['DYN_SYSTEM_PORT']}/health"
+        proc = subprocess.Popen(
+            self.command(component), env={**self.env, **own},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
+        print(f"[serve] started {name} (pid {proc.pid}, health {health})", flush=True)
+        return Replica(name, component.module, proc, health, component, i, time.monotonic())
+
+    def tend(self) -> list[tuple[str, int]]:
+        """Once ready: restart dead replicas of components that have several (the others carry
+        the load meanwhile), with backoff, at most MAX_RESTARTS in a row each. Returns the
+        deaths that end the graph: the only replica of a component, or one out of restarts."""
+        fatal, now = [], time.monotonic()
+        for n, r in enumerate(self.replicas):
+            if r.proc.poll() is None:
+                if r.restarts and now - r.started > STEADY_S:
+                    r.restarts = 0
+                continue
+            if self.replica_count(r.component) < 2 or r.restarts >= MAX_RESTARTS:
+                fatal.append((r.name, r.proc.returncode))
+            elif r.restart_at is None:
+                r.restart_at = now + BACKOFF_S[min(r.restarts, len(BACKOFF_S) - 1)]
+                print(f"[serve] {r.name} died ({_exit(r.proc.returncode)}); restarting it in "
+                      f"{r.restart_at - now:.0f} s (restart {r.restarts + 1} of {MAX_RESTARTS}"
+                      f"); its other replicas serve meanwhile", flush=True)
+            elif now >= r.restart_at:
+                _end_group(r.proc.pid)  # its engine processes may outlive it
+                fresh = self._launch(r.component, r.index)
+                fresh.restarts = r.restarts + 1
+                self.replicas[n] = fresh
+        return fatal
 
     def _relay(self, name: str, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
@@ -249,6 +295,22 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def _end_group(pgid: int, grace_s: float = 5.0) -> None:
+    """What a dead replica left in its process group (engine cores, workers) goes: SIGTERM, time
+    to unlink their shared memory, then SIGKILL."""
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def _exit(rc: int) -> str:
+    if rc < 0:
+        return f"killed by signal {-rc}"
+    return f"exit {rc}{', its engine died' if rc == ENGINE_DEAD else ''}"
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process of group `pgid` still runs (a zombie does not: its parent reaps it)."""
     import psutil
@@ -293,10 +355,10 @@ def serve(target: str, config_path: str, port: int | None = None) -> int:
             print(f"[serve] not ready: {sup.dead() or 'timed out'}", flush=True)
         while code == 0 and not requested():
             time.sleep(0.2)
-            if dead := sup.dead():
+            if dead := sup.tend():
                 print("[serve] component died: " + ", ".join(
-                    f"{n} (exit {rc}{', its engine died' if rc == ENGINE_DEAD else ''})"
-                    for n, rc in dead) + "; stopping the graph", flush=True)
+                    f"{n} ({_exit(rc)})" for n, rc in dead) + "; stopping the graph",
+                    flush=True)
                 code = 1
     finally:
         print("[serve] stopping ...", flush=True)

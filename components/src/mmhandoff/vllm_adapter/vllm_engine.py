@@ -78,6 +78,15 @@ class VllmEngine:
             raise EngineInputError(str(e)) from None
         return rendered.engine_input, params
 
+    def extend(self, rendered: Rendered, token_ids: list[int]) -> Rendered:
+        if self.capabilities.encoder_decoder:
+            raise EngineInputError("an encoder-decoder prompt cannot be continued")
+        ids = [*rendered.token_ids, *token_ids]
+        engine_input = dict(rendered.engine_input, prompt_token_ids=ids)
+        for stale in ("prompt", "prompt_token_offsets"):  # they describe the shorter prompt
+            engine_input.pop(stale, None)
+        return Rendered(ids, rendered.features, engine_input)
+
     async def kv_only(self, handoff: Handoff, request_id: str) -> Any:
         if self._tasks is None:
             self._tasks = tuple(await self.llm.get_supported_tasks())
@@ -86,10 +95,16 @@ class VllmEngine:
         except self._refused as e:  # vLLM's input checks, e.g. longer than max_model_len
             raise EngineInputError(str(e)) from None
         check_blocks(handoff, self.block_size)  # before the engine sees it
+        if handoff.continued:
+            from mmhandoff.vllm_adapter.continued_text import ContinuedText
+
+            return request, request.sampling_params, ContinuedText(
+                self._tokenizer, request, handoff.continued)
         return request, request.sampling_params
 
     async def generate(self, request: Any, request_id: str) -> AsyncIterator[Step]:
-        engine_input, params = request
+        engine_input, params, *continued = request
+        text_of = continued[0].next if continued else None  # a migrated answer's own text
         stream = self.llm.generate(engine_input, params, request_id)
         sent_ids = sent_text = 0
         started = False
@@ -118,6 +133,8 @@ class VllmEngine:
                     step.kv_transfer_params = output.kv_transfer_params
                     step.kv_failure = kv_coverage_cause(output)
                     step.kv_stats = kv_stats(output)
+                if text_of is not None:
+                    step.text = text_of(step.token_ids, step.finish_reason)
                 yield step
                 if output.finished:
                     return

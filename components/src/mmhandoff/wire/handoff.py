@@ -147,6 +147,9 @@ class Handoff(_Strict):
     kv_transfer_params: dict[str, Any]
     sampling: Sampling
     cache_salt: str | None = None
+    # The last `continued` token ids are an answer's tokens already streamed (a migrated
+    # request): decode's text goes on from theirs.
+    continued: int = 0
     nonce: str | None = None  # set by `sign` with a TTL: makes the handoff single use
     expires_at: float | None = None  # unix seconds, prefill's clock
     digest: str | None = None  # hex HMAC-SHA256 over the message without it (see `sign`)
@@ -248,6 +251,9 @@ def check_structure(h: Handoff) -> None:
         end_prev = span.offset + span.length
     if h.sampling.max_tokens < 1:
         raise MalformedHandoff("sampling.max_tokens must be at least 1")
+    if not 0 <= h.continued < n:
+        raise MalformedHandoff(f"continued ({h.continued}) must be in [0, {n}): the prompt "
+                               "before the answer's tokens cannot be empty")
 
 
 def check_admission(h: Handoff, *, fingerprint: str, keys: Sequence[bytes] = (),

@@ -39,13 +39,16 @@ def user(text: str, *image_urls: str) -> ChatMessage:
 
 class PrefillRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Chat messages (parsed once, at the frontend), or (completions) a raw `prompt` with no chat
-    template and no images."""
+    template and no images. `continuation`: the answer's tokens already sent, when a request
+    migrates after its decode replica was lost; they follow the rendered prompt, and `sampling`
+    then asks only for the rest."""
 
     request_id: str
     messages: list[ChatMessage] = msgspec.field(default_factory=list)
     prompt: str | None = None
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     cache_salt: str | None = None
+    continuation: list[int] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (not self.messages):
@@ -113,11 +116,14 @@ class DecodeChunk(msgspec.Struct, kw_only=True):
 
 
 class AnswerStats(DecodeStats, kw_only=True):
-    """The public `mmhandoff` object of an answer: decode's statistics, prefill's, and how many
-    times the request went through prefill again after decode failed closed."""
+    """The public `mmhandoff` object of an answer: the last decode's statistics, prefill's, how
+    many times the request went through prefill again before its first token (decode failed
+    closed, a worker was lost), and how many times it continued elsewhere after a decode
+    replica was lost mid-answer."""
 
     prefill: PrefillStats | None = None
     retries: int = 0
+    migrations: int = 0
 
 
 class RemoteFault(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
