@@ -1,13 +1,16 @@
 """Each component runs alone (`python -m mmhandoff.<component>`), as Kubernetes will run it: two
-processes find each other through file discovery, answer a handoff, report ready on Dynamo's
-system status server, and exit cleanly on SIGTERM leaving no child process. A worker whose engine
-dies reports not ready and exits with health.ENGINE_DEAD."""
+processes find each other through file discovery, answer a handoff, refuse replayed, relabelled,
+unsigned, expired and wrongly signed handoffs on the served endpoint (and answer an honest one
+for the same image alike afterwards), report ready on Dynamo's system status server, and exit
+cleanly on SIGTERM leaving no child process. A worker whose engine dies reports not ready and
+exits with health.ENGINE_DEAD."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,7 +23,9 @@ import psutil
 import pytest
 
 from mmhandoff.serving.health import ENGINE_DEAD, free_system_port
-from mmhandoff.serving.runtime import call, client, runtime
+from mmhandoff.serving.launch import KEY_ENV
+from mmhandoff.serving.runtime import RemoteError, call, client, runtime
+from mmhandoff.wire.handoff import Handoff, sign
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image
 from tests.flows import greedy
@@ -47,9 +52,25 @@ def _health(port: int) -> tuple[int, str]:
         return e.code, json.loads(e.read())["status"]
 
 
+def _bad_handoffs(honest: dict, key: bytes) -> dict[str, dict]:
+    """The honest handoff (already used once) replayed, relabelled with another image's hash
+    (prefix-cache poisoning), stripped of its signature, expired, and signed with another key."""
+    h = msgspec.convert(honest, Handoff)
+    relabelled = msgspec.structs.replace(h, features=msgspec.structs.replace(
+        h.features, mm_hashes={"image": ["f" * 64]}))
+    return {name: msgspec.to_builtins(m) for name, m in {
+        "replayed": h,
+        "relabelled": relabelled,
+        "unsigned": msgspec.structs.replace(h, digest=None, nonce=None, expires_at=None),
+        "expired": sign(h, key, ttl_s=-1),
+        "wrong key": sign(h, b"k" * 64, ttl_s=60),
+    }.items()}
+
+
 def test_prefill_and_decode_processes(tmp_path, tiny_model):
+    key = secrets.token_hex(32)  # as a graph hands it to its components
     env = dict(os.environ, DYN_FILE_KV=str(tmp_path / "discovery"), VLLM_LOGGING_LEVEL="WARNING",
-               UCX_NET_DEVICES="lo")
+               UCX_NET_DEVICES="lo", **{KEY_ENV: key})
     ports = [free_system_port(), free_system_port()]
     procs = [
         _start("mmhandoff.prefill", "--model", tiny_model, "--cpu-cores", "0",
@@ -70,12 +91,28 @@ def test_prefill_and_decode_processes(tmp_path, tiny_model):
                 request = PrefillRequest(request_id="alone", sampling=greedy(8, ignore_eos=True),
                                          messages=chat("Alone?", data_uri(encode(make_image(80, 60, 5)))))
                 answers = [a async for a in call(p, msgspec.to_builtins(request))]
-                return [c async for c in call(d, answers[0]["handoff"])]
+                honest = answers[0]["handoff"]
+                chunks = [c async for c in call(d, honest)]
+                # on the served endpoint: each bad handoff is refused with its typed error
+                refusals = {}
+                for name, bad in _bad_handoffs(honest, key.encode()).items():
+                    try:
+                        refusals[name] = [c async for c in call(d, bad)]
+                    except RemoteError as e:
+                        refusals[name] = e.code
+                # and a later honest request for the same image gets the same answer
+                again = [a async for a in call(p, msgspec.to_builtins(request))]
+                repeat = [c async for c in call(d, again[0]["handoff"])]
+                return chunks, refusals, repeat
             finally:
                 rt.shutdown()
 
-        chunks = asyncio.run(asyncio.wait_for(talk(), 300))
+        chunks, refusals, repeat = asyncio.run(asyncio.wait_for(talk(), 300))
         assert sum(len(c["token_ids"]) for c in chunks) == 8
+        assert refusals == {"replayed": "replayed", "relabelled": "digest_mismatch",
+                            "unsigned": "unsigned", "expired": "expired",
+                            "wrong key": "digest_mismatch"}
+        assert [c["token_ids"] for c in repeat] == [c["token_ids"] for c in chunks]
         assert chunks[-1]["stats"]["kv_tokens_pulled"] > 0
         children = [c for f in families for c in f.children(recursive=True)]
         assert children  # engine cores and workers

@@ -20,7 +20,7 @@ from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image, start
 from tests.flows import agg_run, full_media_run, greedy, handoff_run
-from tests.test_handoff_flow import _chain, _wait_for
+from tests.test_handoff_flow import _chain, _wait_for, continued, streamed
 
 pytestmark = pytest.mark.gpu
 
@@ -108,3 +108,19 @@ def test_decode_fails_closed_without_kv_and_stays_healthy_on_a_gpu(loop, gpu, wo
     tokens, _, _ = loop.run(handoff_run(prefill, decode, "gpu-after", messages, s))
     assert tokens == loop.run(agg_run(prefill, engines["full_media_decode"], "gpu-after",
                                       messages, s))
+
+
+def test_an_answer_continued_from_its_first_tokens_on_a_gpu(loop, workers):
+    """Migration's adapter paths (Engine.extend, the continued text) on the GPU's vLLM: an answer
+    continued after its first k tokens equals the uninterrupted one, tokens and text."""
+    prefill, decode, _ = workers
+    messages = chat("Describe it.", data_uri(encode(make_image(640, 480, 7), "JPEG"),
+                                             "image/jpeg"))
+    handoff, _ = loop.run(prefill.handoff(PrefillRequest(
+        request_id="gpu-whole", messages=messages, sampling=greedy(16, ignore_eos=True))))
+    whole = loop.run(streamed(decode.generate(handoff)))
+    for k in (1, 7):
+        rest = continued(loop, prefill, decode, messages, whole, k)
+        assert whole[k:] == rest or (  # the same tokens; text per chunk may group differently
+            [t for t, _ in whole[k:]] == [t for t, _ in rest]
+            and "".join(x for _, x in whole) == "".join(x for _, x in whole[:k] + rest)), k

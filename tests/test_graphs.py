@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -98,10 +99,27 @@ def _with_engine_args(config: str, tmp: Path, args: list[str]) -> str:
     return str(out)
 
 
+def _load_questions() -> dict[str, list[dict]]:
+    """The load run's good requests: images of three sizes, two images, no image."""
+    def ask(text, *images):
+        return [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_uri(encode(img, fmt), mime)}}
+            for img, fmt, mime in images] + [{"type": "text", "text": text}]}]
+    jpeg = "image/jpeg"
+    return {
+        "small png": ask("What is it?", (make_image(64, 48, 31), "PNG", "image/png")),
+        "640x480 jpeg": ask("Describe it.", (make_image(640, 480, 32), "JPEG", jpeg)),
+        "1600x1200 jpeg": ask("And this?", (make_image(1600, 1200, 33), "JPEG", jpeg)),
+        "two images": ask("Compare.", (make_image(320, 240, 34), "JPEG", jpeg),
+                          (make_image(96, 128, 35), "PNG", "image/png")),
+        "text only": [{"role": "user", "content": "Say something."}],
+    }
+
+
 @pytest.fixture(scope="module")
 def agg_fp32(tmp_path_factory, image_server):
-    """The fault tests' reference: the agg graph in fp32; the LONG-token answer to the data URI
-    question, and the short answers."""
+    """The fault and load tests' reference: the agg graph in fp32; the LONG-token answer to the
+    data URI question, the short answers to it and to the load run's questions."""
     tmp = tmp_path_factory.mktemp("agg-fp32")
     graph = Graph("graphs.agg:Frontend", _with_engine_args("configs/agg.yaml", tmp, FP32), tmp,
                   frontend_args=ALLOW_LOOPBACK_IMAGES)
@@ -110,8 +128,10 @@ def agg_fp32(tmp_path_factory, image_server):
         answers = _answers(graph.url, question)
         long = "".join(c.choices[0].delta.content or "" for c in
                        _long(graph.url, question["data URI"]) if c.choices)
+        load = {name: _answers(graph.url, {name: q})[name][:3]
+                for name, q in _load_questions().items()}
         graph.stop()
-    return {"answers": answers, "long": long}
+    return {"answers": answers, "long": long, "load": load}
 
 
 def _check_equal_to_agg(got: dict, agg: dict) -> None:
@@ -351,3 +371,98 @@ def _metric(url: str, name: str) -> float:
 
 def _in_flight(url: str) -> float:
     return _metric(url, "mmhandoff_requests_in_flight")
+
+
+# The load run's bad requests, each with the status and code it must get.
+BAD_REQUESTS = [
+    (b"{not json", 400, "invalid_json"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404,
+     "model_not_found"),
+    ({"model": MODEL, "temperature": -1, "messages": [{"role": "user", "content": "hi"}]}, 400,
+     "invalid_sampling"),
+    ({"model": MODEL, "max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, 400,
+     "invalid_max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}]}]}, 400,
+     "invalid_base64"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://10.1.2.3/x.png"}}]}]}, 400,
+     "image_url_forbidden"),  # refused before any connection: not an allowed network
+    ({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_uri(b"GIF89a not really")}}]}]}, 400,
+     "invalid_image"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_uri(encode(make_image(8, 8, 1)))}}
+        for _ in range(9)]}]}, 400, "too_many_images"),
+]
+
+
+def _post(url: str, body) -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + "/v1/chat/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _one_of_the_load(url: str, i: int, questions: dict) -> tuple:
+    """Request i of the load run: 6 in 10 good (streamed or not, in turn), 4 in 10 bad."""
+    if i % 10 >= 6:
+        body, status, code = BAD_REQUESTS[(i // 10 * 4 + i % 10 - 6) % len(BAD_REQUESTS)]
+        got, raw = _post(url, body)
+        return "bad", (status, code), (got, json.loads(raw)["error"]["code"])
+    name = list(questions)[i % len(questions)]
+    ask = dict(model=MODEL, messages=questions[name], max_tokens=10, temperature=0,
+               extra_body={"ignore_eos": True})
+    try:
+        if i % 2:
+            chunks = _client(url).chat.completions.create(**ask, stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return "good", name, (text, None, None)
+        r = _client(url).chat.completions.create(**ask)
+    except openai.APIError as e:  # a 5xx, or an error event in a stream
+        return "good", name, ("failed", repr(e), None)
+    return "good", name, (r.choices[0].message.content, r.usage.prompt_tokens,
+                          r.usage.completion_tokens)
+
+
+def test_a_load_run_of_mixed_requests(tmp_path, agg_fp32):
+    """Issue 14's load run: 300 requests at concurrency 8 through disagg_router, images of three
+    sizes, streamed and not, bad inputs mixed in: every good answer equals agg's, every bad one
+    gets its 4xx, no 5xx, and the frontend's memory stays bounded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psutil
+
+    graph = Graph("graphs.disagg_router:Frontend",
+                  _with_engine_args("configs/disagg_router.yaml", tmp_path, FP32), tmp_path)
+    with graph.failing_loudly():
+        questions = _load_questions()
+        frontend = psutil.Process(graph.replica_pids()["frontend-0"])
+        with ThreadPoolExecutor(8) as pool:  # a warm-up round: allocator pools, first requests
+            list(pool.map(lambda i: _one_of_the_load(graph.url, i, questions), range(16)))
+        rss_before = frontend.memory_info().rss
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda i: _one_of_the_load(graph.url, i, questions),
+                                    range(300)))
+        took = time.monotonic() - t0
+        growth_mb = (frontend.memory_info().rss - rss_before) / 2**20
+        wrong = []
+        for kind, expected, got in results:
+            if kind == "bad":
+                if got != expected:
+                    wrong.append((expected, got))
+            else:
+                text, prompt_tokens, completion_tokens = agg_fp32["load"][expected]
+                if got[0] != text or got[1] not in (None, prompt_tokens) \
+                        or got[2] not in (None, completion_tokens):
+                    wrong.append((expected, got))
+        assert not wrong, wrong[:5]
+        assert sum(kind == "good" for kind, *_ in results) == 180
+        assert growth_mb < 100, growth_mb
+        print(f"load run: 300 requests in {took:.0f} s, frontend RSS +{growth_mb:.0f} MiB")
+        graph.stop()

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
+from mmhandoff.agg.worker import AggWorker
 from mmhandoff.decode.full_media import FullMediaDecodeWorker
 from mmhandoff.decode.worker import DecodeWorker
 from mmhandoff.prefill.worker import PrefillWorker
-from tests.conftest import chat, data_uri, encode, make_image
-from mmhandoff.agg.worker import AggWorker
 from mmhandoff.wire.messages import PrefillRequest
+from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import agg_run, full_media_run, greedy, handoff_run
 
 pytestmark = pytest.mark.engine
@@ -149,6 +149,25 @@ def test_an_answer_that_ends_at_its_first_token(loop, workers, engines):
     assert last.stats.kv_tokens_pulled > 0
 
 
+async def streamed(chunks) -> list[tuple[int, str]]:
+    """(token, text) per token of a stream of chunks; a chunk's text goes with its last token."""
+    out = []
+    async for c in chunks:
+        out += [(t, "") for t in c.token_ids[:-1]] + [(c.token_ids[-1], c.text)]
+    return out
+
+
+def continued(loop, prefill, decode, messages, answer, k: int) -> list[tuple[int, str]]:
+    """The rest of `answer` ((token, text) pairs) after its first k tokens, as a migrated request
+    gets it: prefill computes the prompt followed by them, decode goes on."""
+    request = PrefillRequest(request_id=f"mig-{k}", messages=messages,
+                             sampling=greedy(len(answer) - k, ignore_eos=True),
+                             continuation=[t for t, _ in answer[:k]])
+    handoff, _ = loop.run(prefill.handoff(request))
+    assert handoff.continued == k and len(handoff.token_ids) > k
+    return loop.run(streamed(decode.generate(handoff)))
+
+
 def test_an_answer_continued_from_its_first_tokens_goes_on_as_agg(loop, workers, engines):
     """Migration on real engines: prefill computes the prompt followed by the first k tokens of
     agg's answer, decode pulls that KV and goes on. Tokens and streamed text equal agg's, also
@@ -157,22 +176,10 @@ def test_an_answer_continued_from_its_first_tokens_goes_on_as_agg(loop, workers,
     prefill, decode, _ = workers
     messages = chat("Describe it.", data_uri(encode(make_image(320, 240, 7))))
     n = 24
-
-    async def streamed(chunks) -> list[tuple[int, str]]:
-        out = []
-        async for c in chunks:
-            out += [(t, "") for t in c.token_ids[:-1]] + [(c.token_ids[-1], c.text)]
-        return out
-
     agg = loop.run(streamed(AggWorker(engines.full).generate(PrefillRequest(
         request_id="mig", messages=messages, sampling=greedy(n, ignore_eos=True)))))
     assert len(agg) == n
     for k in (1, 2, 3, 5, 8, 13):
-        request = PrefillRequest(request_id=f"mig-{k}", messages=messages,
-                                 sampling=greedy(n - k, ignore_eos=True),
-                                 continuation=[t for t, _ in agg[:k]])
-        handoff, _ = loop.run(prefill.handoff(request))
-        assert handoff.continued == k and len(handoff.token_ids) > k
-        rest = loop.run(streamed(decode.generate(handoff)))
+        rest = continued(loop, prefill, decode, messages, agg, k)
         assert [t for t, _ in agg[k:]] == [t for t, _ in rest], k
         assert "".join(x for _, x in agg) == "".join(x for _, x in agg[:k] + rest), k

@@ -48,7 +48,8 @@ def _tend_until(s, done, within_s: float = 10.0):
         if done(fatal):
             return fatal
         time.sleep(0.02)
-    raise AssertionError(f"not done in {within_s} s: {[(r.name, r.proc.poll()) for r in s.replicas]}")
+    states = [(r.name, r.proc.poll()) for r in s.replicas]
+    raise AssertionError(f"not done in {within_s} s: {states}")
 
 
 def _pid(s, name: str) -> int:
@@ -64,7 +65,7 @@ def test_a_dead_replica_is_restarted_then_given_up_on(sup, capsys):
         backoff = supervisor.BACKOFF_S[min(attempt - 1, len(supervisor.BACKOFF_S) - 1)]
         assert time.monotonic() - t0 >= backoff  # not at once: after the backoff
         assert all(r.proc.poll() is None for r in sup.replicas)  # the others untouched
-        assert f"router-0 died (killed by signal 9); restarting it in" in capsys.readouterr().out
+        assert "router-0 died (killed by signal 9); restarting it in" in capsys.readouterr().out
     _kill(sup, "router-0")  # out of restarts: the graph ends, naming it
     assert _tend_until(sup, bool) == [("router-0", -9)]
 

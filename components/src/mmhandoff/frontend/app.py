@@ -5,16 +5,19 @@ It runs no model.
 Endpoints: POST /v1/chat/completions and /v1/completions (streaming with SSE, or not), GET
 /v1/models, /health, /metrics (Prometheus). Every refusal is a 4xx with an OpenAI-style body
 `{"error": {"message", "type", "code"}}` (mmhandoff.frontend.request), and nothing is started
-for it. When decode fails closed (its KV did not cover the images), the whole request is retried
-through prefill, at most `retries` times; then the client gets a 503 naming the cause.
+for it. When decode fails closed (its KV did not cover the images) or a worker is lost before
+the first token, the request goes through prefill again, at most `retries` times; when the
+decode replica streaming an answer is lost, the answer migrates to another one (`_answer`).
+What still fails is a 503 naming the stage, or, once a stream started, an error event and no
+`[DONE]` (docs/reliability.md).
 
 A client that goes away mid-answer cancels its handler (aiohttp's handler cancellation); the
 open Dynamo streams are closed with it, which stops the worker's handler and aborts the engine
 request, freeing its KV. If it goes away while its request is in prefill, prefill finishes and
 the handoff goes to decode, which is stopped at its first chunk: that frees prefill's blocks
 at once instead of at the end of their lease. Non-streaming answers carry an extra `mmhandoff`
-object with the handoff statistics (OpenAI clients ignore unknown fields). On SIGTERM it stops taking
-connections and lets the answers in flight finish (at most DRAIN_S), then exits.
+object with the handoff statistics (OpenAI clients ignore unknown fields). On SIGTERM it stops
+taking connections and lets the answers in flight finish (at most DRAIN_S), then exits.
 """
 
 from __future__ import annotations

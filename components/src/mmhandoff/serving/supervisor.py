@@ -16,10 +16,11 @@ Once the graph is ready, a dead replica of a component with several replicas is 
 others serve meanwhile; the frontend retries or ends the requests it had in flight there): after
 1, 4, then 16 s, at most MAX_RESTARTS times in a row (a replica up for STEADY_S is forgiven its
 earlier restarts); then serve gives up and stops the graph with exit 1. The only replica of a
-component is not restarted: a graph that lost a part says so instead of limping on. Discovery is a fresh file
-folder per run and requests go over TCP, unless the YAML names `etcd: <url>` (discovery through
-etcd) and/or `nats: <url>` (requests over NATS). NIXL side-channel ports are picked free per
-replica.
+component is not restarted: a graph that lost a part says so instead of limping on.
+
+Discovery is a fresh file folder per run and requests go over TCP, unless the YAML names
+`etcd: <url>` (discovery through etcd) and/or `nats: <url>` (requests over NATS). NIXL
+side-channel ports are picked free per replica.
 """
 
 from __future__ import annotations
