@@ -246,3 +246,8 @@ if __name__ == "__main__":
                              "EngineSpec's default), UCX's auto (off), or y for every process "
                              "(all: how the first prefill hung, docs/gpu.md)")
     asyncio.run(main(parser.parse_args()))
+    # The engines are shut down and the results printed. Ending here skips the interpreter's
+    # teardown, in which AsyncLLM.__del__ shuts each engine down again and fails on module
+    # globals already gone (three "Exception ignored" tracebacks after the tables).
+    sys.stdout.flush()
+    os._exit(0)
