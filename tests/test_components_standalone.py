@@ -25,7 +25,7 @@ import pytest
 from mmhandoff.serving.health import ENGINE_DEAD, free_system_port
 from mmhandoff.serving.launch import KEY_ENV
 from mmhandoff.serving.runtime import RemoteError, call, client, runtime
-from mmhandoff.wire.handoff import Handoff, sign
+from mmhandoff.wire.handoff import Features, Handoff, sign
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image
 from tests.flows import greedy
@@ -52,12 +52,13 @@ def _health(port: int) -> tuple[int, str]:
         return e.code, json.loads(e.read())["status"]
 
 
-def _bad_handoffs(honest: dict, key: bytes) -> dict[str, dict]:
-    """The honest handoff (already used once) replayed, relabelled with another image's hash
-    (prefix-cache poisoning), stripped of its signature, expired, and signed with another key."""
-    h = msgspec.convert(honest, Handoff)
-    relabelled = msgspec.structs.replace(h, features=msgspec.structs.replace(
-        h.features, mm_hashes={"image": ["f" * 64]}))
+def _bad_handoffs(used: dict, fresh: dict, other_features: dict, key: bytes) -> dict[str, dict]:
+    """A handoff already used, replayed; a fresh one relabelled with another image's features
+    (prefix-cache poisoning); one stripped of its signature, one expired, one signed with another
+    key."""
+    h = msgspec.convert(used, Handoff)
+    relabelled = msgspec.structs.replace(msgspec.convert(fresh, Handoff),
+                                         features=msgspec.convert(other_features, Features))
     return {name: msgspec.to_builtins(m) for name, m in {
         "replayed": h,
         "relabelled": relabelled,
@@ -88,31 +89,44 @@ def test_prefill_and_decode_processes(tmp_path, tiny_model):
             try:
                 p = await client(rt, "standalone.prefill.generate", timeout_s=240)
                 d = await client(rt, "standalone.decode.generate", timeout_s=240)
-                request = PrefillRequest(request_id="alone", sampling=greedy(8, ignore_eos=True),
-                                         messages=chat("Alone?", data_uri(encode(make_image(80, 60, 5)))))
-                answers = [a async for a in call(p, msgspec.to_builtins(request))]
-                honest = answers[0]["handoff"]
+                def ask(seed: int) -> dict:  # the same question, a different picture
+                    return msgspec.to_builtins(PrefillRequest(
+                        request_id=f"alone-{seed}", sampling=greedy(8, ignore_eos=True),
+                        messages=chat("Alone?", data_uri(encode(make_image(80, 60, seed))))))
+
+                async def handoff(seed: int) -> dict:
+                    return [a async for a in call(p, ask(seed))][0]["handoff"]
+
+                honest = await handoff(5)
                 chunks = [c async for c in call(d, honest)]
-                # on the served endpoint: each bad handoff is refused with its typed error
+                # on the served endpoint: each bad handoff is refused with its typed error; the
+                # relabelled one is a fresh handoff for picture 5 named as picture 6
+                other = await handoff(6)  # prefill's only: decode has not seen picture 6
                 refusals = {}
-                for name, bad in _bad_handoffs(honest, key.encode()).items():
+                for name, bad in _bad_handoffs(honest, await handoff(5), other["features"],
+                                               key.encode()).items():
                     try:
                         refusals[name] = [c async for c in call(d, bad)]
                     except RemoteError as e:
                         refusals[name] = e.code
-                # and a later honest request for the same image gets the same answer
-                again = [a async for a in call(p, msgspec.to_builtins(request))]
-                repeat = [c async for c in call(d, again[0]["handoff"])]
-                return chunks, refusals, repeat
+                # honest requests afterwards: picture 6's answer is its own (had the relabelled
+                # one been taken, decode would reuse picture 5's KV under 6's hash and answer as
+                # for 5), and picture 5's is the same as before
+                sixth = [c async for c in call(d, other)]
+                repeat = [c async for c in call(d, await handoff(5))]
+                return chunks, refusals, sixth, repeat
             finally:
                 rt.shutdown()
 
-        chunks, refusals, repeat = asyncio.run(asyncio.wait_for(talk(), 300))
+        chunks, refusals, sixth, repeat = asyncio.run(asyncio.wait_for(talk(), 300))
         assert sum(len(c["token_ids"]) for c in chunks) == 8
         assert refusals == {"replayed": "replayed", "relabelled": "digest_mismatch",
                             "unsigned": "unsigned", "expired": "expired",
                             "wrong key": "digest_mismatch"}
-        assert [c["token_ids"] for c in repeat] == [c["token_ids"] for c in chunks]
+        tokens = [t for c in chunks for t in c["token_ids"]]
+        assert [t for c in repeat for t in c["token_ids"]] == tokens
+        assert [t for c in sixth for t in c["token_ids"]] != tokens
+        assert sixth[-1]["stats"]["kv_tokens_pulled"] > 0  # from prefill, not a poisoned cache
         assert chunks[-1]["stats"]["kv_tokens_pulled"] > 0
         children = [c for f in families for c in f.children(recursive=True)]
         assert children  # engine cores and workers

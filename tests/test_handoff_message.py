@@ -138,6 +138,8 @@ def _wire(d: dict) -> bytes:
     (lambda d: d.update(token_ids="abc"), MalformedHandoff),
     (lambda d: d.pop("kv_transfer_params"), MalformedHandoff),
     (lambda d: d.update(extra_field=1), MalformedHandoff),
+    (lambda d: d.update(continued=-1), MalformedHandoff),
+    (lambda d: d.update(continued=len(d["token_ids"])), MalformedHandoff),  # no prompt left
 ])
 def test_each_structural_rule_has_its_error(mutate, error):
     d = _raw(_good())
