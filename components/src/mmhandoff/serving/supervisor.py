@@ -282,10 +282,10 @@ class Supervisor:
                           flush=True)
                 # what it started (engine processes, Python's resource tracker) unlinks its
                 # shared memory on the way out: let it, instead of killing it half-way
-                while _group_alive(r.proc.pid) and time.monotonic() < deadline:
+                while _session_procs(r.proc.pid) and time.monotonic() < deadline:
                     time.sleep(0.05)
-        for r in self.replicas:  # the whole group: engine cores and workers included
-            _signal_group(r.proc.pid, signal.SIGKILL)
+        for r in self.replicas:  # the whole session: engine cores and workers included
+            _kill_session(r.proc.pid)
             r.proc.wait()
 
 
@@ -301,9 +301,9 @@ def _end_group(pgid: int, grace_s: float = 5.0) -> None:
     to unlink their shared memory, then SIGKILL."""
     _signal_group(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while _group_alive(pgid) and time.monotonic() < deadline:
+    while _session_procs(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    _signal_group(pgid, signal.SIGKILL)
+    _kill_session(pgid)
 
 
 def _exit(rc: int) -> str:
@@ -312,17 +312,31 @@ def _exit(rc: int) -> str:
     return f"exit {rc}{', its engine died' if rc == ENGINE_DEAD else ''}"
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group `pgid` still runs (a zombie does not: its parent reaps it)."""
+def _session_procs(sid: int) -> list:
+    """The processes of a replica's session that still run (a zombie does not: its parent reaps
+    it). Each replica leads its own session; a descendant that made its own process group is
+    still in it."""
     import psutil
 
+    out = []
     for p in psutil.process_iter(["status"]):
         try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
-                return True
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(p.pid) == sid:
+                out.append(p)
         except (OSError, psutil.Error):
             continue
-    return False
+    return out
+
+
+def _kill_session(sid: int) -> None:
+    import psutil
+
+    _signal_group(sid, signal.SIGKILL)
+    for p in _session_procs(sid):  # outside the group, if anything made its own
+        try:
+            p.kill()
+        except psutil.Error:  # gone meanwhile
+            pass
 
 
 def _answers(url: str) -> bool:
