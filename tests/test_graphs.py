@@ -252,9 +252,6 @@ def _stream_outcome(stream, on_first_token) -> tuple:
                 on_first_token()
     except openai.APIError as e:
         return "error", e.body, text
-    finally:
-        if first:
-            on_first_token()  # never got one: do not keep the others waiting
     return ("whole" if finish else "short"), text, finish
 
 
@@ -278,29 +275,32 @@ def test_a_decode_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
     """Issue 14 item 6: kill -9 of a decode replica during 8 streams. Every client gets the whole
     answer (equal to agg's: the streams on the dead replica migrate to the other one) or an error
     event naming the cause, never an answer that just stops; serve restarts the replica, and the
-    graph answers as agg again."""
+    graph answers as agg again.
+
+    The kill lands mid-stream by construction, not by timing: decode-1 is stopped (SIGSTOP)
+    while the streams start, so the first token any client sees comes from decode-0, which is
+    killed at once, one token into a LONG-token answer; then decode-1 goes on (SIGCONT)."""
     graph = Graph("graphs.disagg_router:Frontend",
                   _with_engine_args("configs/disagg_router.yaml", tmp_path, FP32), tmp_path,
                   frontend_args=ALLOW_LOOPBACK_IMAGES)
     with graph.failing_loudly():
         messages = _questions(image_server)["data URI"]
-        streaming = threading.Semaphore(0)
+        first_token = threading.Event()
         outcomes: list = [None] * 8
 
         def one(i: int) -> None:
-            outcomes[i] = _stream_outcome(_long(graph.url, messages), streaming.release)
-            ended.append(i)
+            outcomes[i] = _stream_outcome(_long(graph.url, messages), first_token.set)
 
-        ended: list[int] = []
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for _ in threads:  # every stream has its first token (or has ended): all under way
-            assert streaming.acquire(timeout=120)
-        os.kill(graph.replica_pids()["decode-0"], signal.SIGKILL)
-        # all 8 under way at the kill, so the streams on decode-0 (round robin: half) were cut
-        assert not ended, f"streams {ended} ended before the kill: make LONG longer"
+        pids = graph.replica_pids()
+        os.kill(pids["decode-1"], signal.SIGSTOP)
+        try:
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            assert first_token.wait(timeout=120)  # from decode-0: decode-1 is stopped
+            os.kill(pids["decode-0"], signal.SIGKILL)
+        finally:
+            os.kill(pids["decode-1"], signal.SIGCONT)
         for t in threads:
             t.join(timeout=180)
         assert not any(t.is_alive() for t in threads)
@@ -311,7 +311,7 @@ def test_a_decode_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
                 assert (got, detail) == (agg_fp32["long"], "length")
             else:
                 assert got["code"] == "decode_failed", got
-        # the cut streams moved to decode-1 (or, had they not, ended with errors)
+        # the cut stream(s) moved to decode-1 (or, had they not, ended with errors)
         assert _metric(graph.url, "mmhandoff_migrations_total") >= 1 or "error" in kinds
         assert any("decode-0 died (killed by signal 9); restarting it" in line
                    for line in graph.log), graph.tail()
