@@ -43,8 +43,12 @@ def _questions(image_server: str) -> dict[str, list[dict]]:
     }
 
 
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
 def _answers(url: str, questions: dict) -> dict:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    client = _client(url)
     assert [m.id for m in client.models.list().data] == [MODEL]
     out = {}
     for name, messages in questions.items():
@@ -60,10 +64,6 @@ def _answers(url: str, questions: dict) -> dict:
 
 
 LONG = 1500  # tokens: streams still under way when a fault is injected (seconds on CPU)
-
-
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def _long(url: str, messages: list[dict]):

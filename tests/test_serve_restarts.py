@@ -30,7 +30,7 @@ def sup(monkeypatch, tmp_path):
     s.start()
     yield s
     for r in s.replicas:
-        supervisor._end_group(r.proc.pid, grace_s=1)
+        supervisor._end_session(r.proc.pid, grace_s=1)
         r.proc.wait()
 
 

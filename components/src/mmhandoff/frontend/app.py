@@ -51,9 +51,9 @@ DRAIN_S = 30.0
 
 # Failures of ours that a client may retry later (503); any other fault of ours is a 500.
 UNAVAILABLE = frozenset({"kv_coverage", "prefill_failed", "decode_failed"})
-# Failures retried through prefill while nothing of the answer has been sent: decode failed
-# closed, or a worker was lost (died, or silent for `stall_s`); another replica may take it.
-RETRIED = frozenset({"kv_coverage", "prefill_failed", "decode_failed"})
+# The same failures are retried through prefill (nothing sent yet) or migrated (tokens sent):
+# decode failed closed, or a worker was lost (died, or silent for `stall_s`).
+RETRIED = UNAVAILABLE
 STALL_S = 120.0  # the longest a worker may stay silent before its request counts as lost
 
 

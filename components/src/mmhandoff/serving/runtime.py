@@ -137,7 +137,7 @@ async def call(c, request: Any, instance_id: int | None = None, *, lost: str = "
         done = True
     except TimeoutError:
         raise RemoteError(lost, f"no answer for {stall_s:g} s") from None
-    except (RemoteError, GeneratorExit):
+    except RemoteError:  # a typed error of the callee's: as it came
         raise
     except Exception as e:  # Dynamo's: routing failed, stream broken, handler failed untyped
         raise RemoteError(lost, f"{type(e).__name__}: {e}") from None

@@ -230,7 +230,7 @@ class Supervisor:
                       f"{r.restart_at - now:.0f} s (restart {r.restarts + 1} of {MAX_RESTARTS}"
                       f"); its other replicas serve meanwhile", flush=True)
             elif now >= r.restart_at:
-                _end_group(r.proc.pid)  # its engine processes may outlive it
+                _end_session(r.proc.pid)  # its engine processes may outlive it
                 fresh = self._launch(r.component, r.index)
                 fresh.restarts = r.restarts + 1
                 self.replicas[n] = fresh
@@ -296,7 +296,7 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _end_group(pgid: int, grace_s: float = 5.0) -> None:
+def _end_session(pgid: int, grace_s: float = 5.0) -> None:
     """What a dead replica left in its process group (engine cores, workers) goes: SIGTERM, time
     to unlink their shared memory, then SIGKILL."""
     _signal_group(pgid, signal.SIGTERM)
