@@ -7,10 +7,10 @@ until every one reports ready (workers and the router on Dynamo's system status 
 `DYN_SYSTEM_PORT` each; the frontend on its /health). On Ctrl-C or SIGTERM, and when any
 component dies (its name and exit code are printed; 3 means its engine died), it stops them
 callers first, each stage after the previous one exited: the frontend finishes the requests it
-has in flight while the workers still serve them, then the workers go (SIGTERM to each replica's
-process group, a dead replica's included, since its engine processes outlive it; serve waits for
-the group to empty, so they and Python's resource tracker unlink their shared memory; SIGKILL to
-whatever is left after a grace period). It exits 0 on a requested stop, 1 when a component died.
+has in flight while the workers still serve them, then the workers go (SIGTERM to each replica,
+which stops its own engine; to a dead replica's process group, since its engine processes outlive
+it; serve waits for the replica's session to empty, so they and Python's resource tracker unlink
+their shared memory; SIGKILL to whatever is left after a grace period). It exits 0 on a requested stop, 1 when a component died.
 
 Once the graph is ready, a dead replica of a component with several replicas is restarted (the
 others serve meanwhile; the frontend retries or ends the requests it had in flight there): after
@@ -272,18 +272,23 @@ class Supervisor:
         stages = [[r for r in self.replicas if r.module == c.module]
                   for c in reversed(self.components)]
         for stage in stages:
-            for r in stage:  # also a replica that died: its engine processes may live on
-                _signal_group(r.proc.pid, signal.SIGTERM)
+            for r in stage:
+                # The replica alone: it stops its own engine, whose processes then get one
+                # SIGTERM each, from vLLM. A second one, from us, could land in the engine core
+                # after vLLM restored SIGTERM's default action for its teardown and kill it
+                # there (its shared memory leaked, or vLLM force-killing it).
+                if r.proc.poll() is None:
+                    r.proc.send_signal(signal.SIGTERM)
+                else:  # a replica that died: its engine processes may live on
+                    _signal_group(r.proc.pid, signal.SIGTERM)
             for r in stage:
                 try:
                     r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     print(f"[serve] {r.name} did not stop in {GRACE_S:.0f} s: killing it",
                           flush=True)
-                # what it started (engine processes, Python's resource tracker) unlinks its
-                # shared memory on the way out: let it, instead of killing it half-way
-                while _session_procs(r.proc.pid) and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                    continue
+                _await_session(r.proc.pid, deadline)
         for r in self.replicas:  # the whole session: engine cores and workers included
             _kill_session(r.proc.pid)
             r.proc.wait()
@@ -304,6 +309,19 @@ def _end_session(pgid: int, grace_s: float = 5.0) -> None:
     while _session_procs(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
     _kill_session(pgid)
+
+
+def _await_session(sid: int, deadline: float, nudge_after_s: float = 5.0) -> None:
+    """After a replica's main process ended: what it started (engine processes, Python's
+    resource tracker) unlinks its shared memory on the way out; let it, instead of killing it
+    half-way. Engine processes a dead replica left behind get SIGTERM after `nudge_after_s`
+    (the resource tracker ignores it)."""
+    nudge_at = time.monotonic() + nudge_after_s
+    while _session_procs(sid) and time.monotonic() < deadline:
+        if nudge_at is not None and time.monotonic() >= nudge_at:
+            _signal_group(sid, signal.SIGTERM)
+            nudge_at = None
+        time.sleep(0.05)
 
 
 def _exit(rc: int) -> str:

@@ -107,8 +107,8 @@ def final_teardown(shutdown):
     @functools.wraps(shutdown)
     def teardown(self, *args, **kwargs):
         if threading.current_thread() is threading.main_thread():
-            # A second SIGTERM (`mmhandoff serve` signals a component's whole process group,
-            # then the component stops its engine) would end the teardown half-way.
+            # vLLM's engine core restores SIGTERM's default action before its teardown: a
+            # second SIGTERM (from a user's `kill` of the process group) would end it half-way.
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
         collect, gc.collect = gc.collect, _no_collect
