@@ -63,6 +63,12 @@ class Graph:
                 self.ready.set()
         self.ready.set()  # serve exited: stop waiting
 
+    def _replica_tail(self, line: str, n: int = 150) -> str:
+        """The last `n` log lines of the replica that printed `line` (a force-killed engine's
+        stacks, dumped just before, among them)."""
+        prefix = line.split(" ", 1)[0]
+        return "".join([entry for entry in self.log if entry.startswith(prefix)][-n:])
+
     def tail(self, n: int = 60) -> str:
         return "".join(self.log[-n:])
 
@@ -110,7 +116,7 @@ class Graph:
             # vLLM kills an engine core that does not end in 5 s; Python's resource tracker
             # unlinks (and reports) shared memory its creator left
             unclean = [line for line in self.log if "force killing" in line or "leaked" in line]
-            assert not unclean, unclean
+            assert not unclean, (unclean, self._replica_tail(unclean[0] if unclean else ""))
 
     def stop(self, sig=signal.SIGTERM, expect: int = 0, times: int = 1) -> None:
         for _ in range(times):  # e.g. Ctrl-C pressed again while serve is stopping

@@ -82,3 +82,29 @@ def test_setting(monkeypatch):
     monkeypatch.setenv(fast_exit.ENV, "off")
     with pytest.raises(ValueError, match=fast_exit.ENV):
         fast_exit.enabled()
+
+
+STUCK = r"""
+import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+def stuck_in_its_teardown():
+    print("up", flush=True)
+    time.sleep(120)
+stuck_in_its_teardown()
+"""
+
+
+def test_an_engine_core_is_made_to_dump_its_stacks_before_vllm_kills_it():
+    from mmhandoff.vllm_adapter import fast_exit
+
+    stuck = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert stuck.stdout.readline() == "up\n"  # its handler is installed
+        killed = []
+        fast_exit._dump_before_kill(lambda pid: (killed.append(pid), stuck.kill()))(stuck.pid)
+        assert killed == [stuck.pid]
+        assert "in stuck_in_its_teardown" in stuck.communicate(timeout=30)[1]
+    finally:
+        stuck.kill()
+        stuck.wait()

@@ -271,54 +271,77 @@ def _restarted(graph: Graph, name: str, within_s: float = 180) -> None:
     raise AssertionError(f"{name} was not restarted and ready in {within_s} s")
 
 
-def test_a_decode_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
-    """Issue 14 item 6: kill -9 of a decode replica during 8 streams. Every client gets the whole
-    answer (equal to agg's: the streams on the dead replica migrate to the other one) or an error
-    event naming the cause, never an answer that just stops; serve restarts the replica, and the
-    graph answers as agg again.
+def _killed_mid_stream(graph: Graph, messages, victim: str, other: str, agg_fp32) -> None:
+    """kill -9 of `victim` during 8 streams: every client gets the whole answer (equal to agg's:
+    the streams cut there migrate) or an error event naming the cause, never an answer that just
+    stops; serve restarts the victim.
 
-    The kill lands mid-stream by construction, not by timing: decode-1 is stopped (SIGSTOP)
-    while the streams start, so the first token any client sees comes from decode-0, which is
-    killed at once, one token into a LONG-token answer; then decode-1 goes on (SIGCONT)."""
+    The kill lands mid-stream by construction, not by timing: `other`, the victim's one sibling,
+    is stopped (SIGSTOP) while the streams start, so the first token any client sees came
+    through the victim, which is killed at once, one token into a LONG-token answer; then
+    `other` goes on (SIGCONT)."""
+    first_token = threading.Event()
+    outcomes: list = [None] * 8
+
+    def one(i: int) -> None:
+        outcomes[i] = _stream_outcome(_long(graph.url, messages), first_token.set)
+
+    pids = graph.replica_pids()
+    os.kill(pids[other], signal.SIGSTOP)
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        assert first_token.wait(timeout=120)  # through the victim: its sibling is stopped
+        os.kill(pids[victim], signal.SIGKILL)
+    finally:
+        os.kill(pids[other], signal.SIGCONT)
+    for t in threads:
+        t.join(timeout=180)
+    assert not any(t.is_alive() for t in threads)
+    kinds = [o[0] for o in outcomes]
+    for kind, got, detail in outcomes:
+        assert kind in ("whole", "error"), (kind, got, detail)  # never a silent, short end
+        if kind == "whole":
+            assert (got, detail) == (agg_fp32["long"], "length")
+        else:
+            assert got["code"] == "decode_failed", got
+    # the cut stream(s) moved to the other path (or, had they not, ended with errors)
+    assert _metric(graph.url, "mmhandoff_migrations_total") >= 1 or "error" in kinds
+    assert any(f"{victim} died (killed by signal 9); restarting it" in line
+               for line in graph.log), graph.tail()
+    _restarted(graph, victim)
+
+
+def test_a_decode_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
+    """Issue 14 item 6: a decode replica killed -9 during 8 streams (see _killed_mid_stream);
+    after its restart the graph answers as agg again, on both replicas."""
     graph = Graph("graphs.disagg_router:Frontend",
                   _with_engine_args("configs/disagg_router.yaml", tmp_path, FP32), tmp_path,
                   frontend_args=ALLOW_LOOPBACK_IMAGES)
     with graph.failing_loudly():
-        messages = _questions(image_server)["data URI"]
-        first_token = threading.Event()
-        outcomes: list = [None] * 8
-
-        def one(i: int) -> None:
-            outcomes[i] = _stream_outcome(_long(graph.url, messages), first_token.set)
-
-        pids = graph.replica_pids()
-        os.kill(pids["decode-1"], signal.SIGSTOP)
-        try:
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-            for t in threads:
-                t.start()
-            assert first_token.wait(timeout=120)  # from decode-0: decode-1 is stopped
-            os.kill(pids["decode-0"], signal.SIGKILL)
-        finally:
-            os.kill(pids["decode-1"], signal.SIGCONT)
-        for t in threads:
-            t.join(timeout=180)
-        assert not any(t.is_alive() for t in threads)
-        kinds = [o[0] for o in outcomes]
-        for kind, got, detail in outcomes:
-            assert kind in ("whole", "error"), (kind, got, detail)  # never a silent, short end
-            if kind == "whole":
-                assert (got, detail) == (agg_fp32["long"], "length")
-            else:
-                assert got["code"] == "decode_failed", got
-        # the cut stream(s) moved to decode-1 (or, had they not, ended with errors)
-        assert _metric(graph.url, "mmhandoff_migrations_total") >= 1 or "error" in kinds
-        assert any("decode-0 died (killed by signal 9); restarting it" in line
-                   for line in graph.log), graph.tail()
-        _restarted(graph, "decode-0")
+        _killed_mid_stream(graph, _questions(image_server)["data URI"], "decode-0", "decode-1",
+                           agg_fp32)
         question = {"data URI": _questions(image_server)["data URI"]}
         for _ in range(2):  # round robin: both replicas, the restarted one included
             _check_equal_to_agg(_answers(graph.url, question), agg_fp32["answers"])
+        graph.stop()
+
+
+def test_a_router_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
+    """The router is on every answer's path (it relays decode's stream): one of two router
+    replicas killed -9 during 8 streams is a lost path like a lost decode replica
+    (see _killed_mid_stream); no engine holds KV afterwards."""
+    config = _with_engine_args("configs/disagg_router.yaml", tmp_path, FP32)
+    spec = yaml.safe_load(Path(config).read_text())
+    spec["components"]["router"] = {"replicas": 2}
+    Path(config).write_text(yaml.safe_dump(spec))
+    graph = Graph("graphs.disagg_router:Frontend", config, tmp_path,
+                  frontend_args=ALLOW_LOOPBACK_IMAGES)
+    with graph.failing_loudly():
+        _killed_mid_stream(graph, _questions(image_server)["data URI"], "router-0", "router-1",
+                           agg_fp32)
+        _no_kv_held(graph)
         graph.stop()
 
 
@@ -369,6 +392,32 @@ def _metric(url: str, name: str) -> float:
         text = r.read().decode()
     return float(next(line.split()[-1] for line in text.splitlines()
                       if line.startswith(name + " ")))
+
+
+def _engine_loads(graph) -> dict[str, dict[str, float]]:
+    """Each worker replica's engine gauges, from its Dynamo system status server's /metrics."""
+    loads = {}
+    for name, health in graph.health_urls().items():
+        if name.startswith(("prefill", "decode", "agg")):
+            with urllib.request.urlopen(health.replace("/health", "/metrics"), timeout=10) as r:
+                loads[name] = {line.split()[0]: float(line.split()[1])
+                               for line in r.read().decode().splitlines()
+                               if line.startswith("mmhandoff_engine_")}
+    return loads
+
+
+def _no_kv_held(graph, within_s: float = 10) -> None:
+    """Once every request has ended, no engine holds KV blocks or requests (prefill frees a
+    handoff's blocks when decode's pull is done, not at its lease's end, 30 s)."""
+    idle = {"mmhandoff_engine_kv_cache_usage": 0.0, "mmhandoff_engine_requests_running": 0.0,
+            "mmhandoff_engine_requests_waiting": 0.0}
+    deadline = time.monotonic() + within_s
+    while True:
+        loads = _engine_loads(graph)
+        if loads and all(load == idle for load in loads.values()):
+            return
+        assert time.monotonic() < deadline, loads
+        time.sleep(0.2)
 
 
 def _in_flight(url: str) -> float:
@@ -467,4 +516,5 @@ def test_a_load_run_of_mixed_requests(tmp_path, agg_fp32):
         assert sum(kind == "good" for kind, *_ in results) == 180
         assert growth_mb < 100, growth_mb
         print(f"load run: 300 requests in {took:.0f} s, frontend RSS +{growth_mb:.0f} MiB")
+        _no_kv_held(graph)
         graph.stop()

@@ -1,7 +1,7 @@
 """serve's replica restarts, with stand-in processes (no engine): a dead replica of a component
 that has several is started again after a backoff, at most MAX_RESTARTS times in a row; the only
 replica of a component, or one out of restarts, ends the graph. The same on a real graph, a
-decode replica killed under load, is in tests/test_graph_faults.py."""
+decode replica killed under load, is in tests/test_graphs.py."""
 
 from __future__ import annotations
 

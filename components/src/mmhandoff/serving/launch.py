@@ -1,7 +1,8 @@
 """Running one component as its own process: `python -m mmhandoff.<component> --model DIR ...`.
 
 Starts the component's engine, serves its handler on the Dynamo runtime, reports ready on Dynamo's
-system status server (mmhandoff.serving.health), and on SIGINT/SIGTERM reports not ready, stops
+system status server (mmhandoff.serving.health) with its engine's load on the same server's
+/metrics (mmhandoff.serving.load_metrics), and on SIGINT/SIGTERM reports not ready, stops
 serving (in-flight requests finish), then shuts the engine down. If the engine dies, it exits with
 `health.ENGINE_DEAD` (3).
 """
@@ -120,15 +121,18 @@ def run(role: str, spec_role: str | Callable, endpoint: str, make_handler: Calla
 async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
     from mmhandoff.serving.health import ENGINE_DEAD, start_not_ready, watch_engine
     from mmhandoff.serving.runtime import runtime, serve
-    from mmhandoff.vllm_adapter import start_engine
+    from mmhandoff.serving.load_metrics import publish_engine_load
+    from mmhandoff.vllm_adapter import EngineLoad, start_engine
 
     spec = engine_spec(args, spec_role(args) if callable(spec_role) else spec_role)
     args.handoff_keys = handoff_keys(args)  # before the engine starts: a bad key fails at once
     start_not_ready()
-    engine = start_engine(spec)
+    load = EngineLoad()
+    engine = start_engine(spec, load)
     rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,
                  request_plane=args.request_plane)
     path = f"{args.namespace}.{endpoint}"
+    publish_engine_load(rt.endpoint(path), load)
     served = serve(rt, path, make_handler(engine, args), errors)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -8,9 +8,9 @@ until every one reports ready (workers and the router on Dynamo's system status 
 component dies (its name and exit code are printed; 3 means its engine died), it stops them
 callers first, each stage after the previous one exited: the frontend finishes the requests it
 has in flight while the workers still serve them, then the workers go (SIGTERM to each replica,
-which stops its own engine; to a dead replica's process group, since its engine processes outlive
-it; serve waits for the replica's session to empty, so they and Python's resource tracker unlink
-their shared memory; SIGKILL to whatever is left after a grace period). It exits 0 on a requested stop, 1 when a component died.
+which stops its own engine; for a dead replica, to the engine processes it left; serve waits for
+the replica's session to empty, so they and Python's resource tracker unlink their shared memory;
+SIGKILL to whatever is left after a grace period). It exits 0 on a requested stop, 1 when a component died.
 
 Once the graph is ready, a dead replica of a component with several replicas is restarted (the
 others serve meanwhile; the frontend retries or ends the requests it had in flight there): after
@@ -45,6 +45,7 @@ from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV
 from mmhandoff.serving.ports import free_port
 
 GRACE_S = 60.0  # for the whole stop: long enough for in-flight answers to finish
+END_GRACE_S = 20.0  # for a dead replica's engine processes; an engine's own stop takes <= 15 s
 
 
 class GraphError(ValueError):
@@ -272,15 +273,8 @@ class Supervisor:
         stages = [[r for r in self.replicas if r.module == c.module]
                   for c in reversed(self.components)]
         for stage in stages:
-            for r in stage:
-                # The replica alone: it stops its own engine, whose processes then get one
-                # SIGTERM each, from vLLM. A second one, from us, could land in the engine core
-                # after vLLM restored SIGTERM's default action for its teardown and kill it
-                # there (its shared memory leaked, or vLLM force-killing it).
-                if r.proc.poll() is None:
-                    r.proc.send_signal(signal.SIGTERM)
-                else:  # a replica that died: its engine processes may live on
-                    _signal_group(r.proc.pid, signal.SIGTERM)
+            for r in stage:  # a replica that died too: its engine processes may live on
+                _signal_roots(r.proc.pid, signal.SIGTERM)
             for r in stage:
                 try:
                     r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -301,25 +295,44 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _end_session(pgid: int, grace_s: float = 5.0) -> None:
-    """What a dead replica left in its process group (engine cores, workers) goes: SIGTERM, time
-    to unlink their shared memory, then SIGKILL."""
-    _signal_group(pgid, signal.SIGTERM)
+def _signal_roots(sid: int, sig: int) -> None:
+    """`sig` to the processes of a replica's session whose parent is not in it: the replica
+    itself while it lives, else what it left (its engine cores; its resource tracker, which
+    ignores SIGTERM). Each stops its own children: an engine core whose model worker also got a
+    signal of its own may wait out its grace for it; one signalled again during its teardown,
+    after vLLM restored SIGTERM's default action there, dies half-way (its shared memory
+    leaked)."""
+    import psutil
+
+    procs = _session_procs(sid)
+    pids = {p.pid for p in procs}
+    for p in procs:
+        try:
+            if p.ppid() not in pids:
+                p.send_signal(sig)
+        except psutil.Error:  # gone meanwhile
+            pass
+
+
+def _end_session(sid: int, grace_s: float = END_GRACE_S) -> None:
+    """What a dead replica left in its session (engine cores, workers) goes: SIGTERM, time to
+    stop their workers and unlink their shared memory, then SIGKILL."""
+    _signal_roots(sid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while _session_procs(pgid) and time.monotonic() < deadline:
+    while _session_procs(sid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    _kill_session(pgid)
+    _kill_session(sid)
 
 
 def _await_session(sid: int, deadline: float, nudge_after_s: float = 5.0) -> None:
     """After a replica's main process ended: what it started (engine processes, Python's
     resource tracker) unlinks its shared memory on the way out; let it, instead of killing it
-    half-way. Engine processes a dead replica left behind get SIGTERM after `nudge_after_s`
-    (the resource tracker ignores it)."""
+    half-way. Engine processes a replica left running (it died, or ended without stopping its
+    engine) get SIGTERM after `nudge_after_s`."""
     nudge_at = time.monotonic() + nudge_after_s
     while _session_procs(sid) and time.monotonic() < deadline:
         if nudge_at is not None and time.monotonic() >= nudge_at:
-            _signal_group(sid, signal.SIGTERM)
+            _signal_roots(sid, signal.SIGTERM)
             nudge_at = None
         time.sleep(0.05)
 

@@ -20,19 +20,26 @@ unlinks only when they are collected, are unlinked first. Everything else in vLL
 (executor, scheduler, KV connector, message queues, distributed state) runs as before; the OS
 takes the memory back. In-process engines (`EngineCore`) keep vLLM's collections, which free their memory
 for reuse. Set `MMHANDOFF_FAST_EXIT=default` to keep vLLM's behaviour.
+
+If vLLM must still force-kill an engine core (it did not end within its grace), the core and
+its workers first dump every thread's stack to their logs (faulthandler on SIGUSR1), so the
+step it hung in can be read from one log.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import gc
 import os
 import signal
 import sys
 import threading
+import time
 from typing import NoReturn
 
 ENV = "MMHANDOFF_FAST_EXIT"
+SLOW_TEARDOWN_S = 3.0  # a teardown still running then dumps its stacks to the log
 
 
 def enabled() -> bool:
@@ -112,9 +119,11 @@ def final_teardown(shutdown):
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
         collect, gc.collect = gc.collect, _no_collect
+        faulthandler.dump_traceback_later(SLOW_TEARDOWN_S)  # where a slow one spends its time
         try:
             return shutdown(self, *args, **kwargs)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             gc.collect = collect
             unlink_own_rings()
             leave_without_finalizing()
@@ -123,10 +132,45 @@ def final_teardown(shutdown):
     return teardown
 
 
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+def _dump_before_kill(kill):
+    """vLLM's force kill of an engine core that did not end in its grace: first every thread's
+    stack of the core and its workers goes to their logs (faulthandler, installed in each), so a
+    hang in a teardown can be found from one log."""
+
+    @functools.wraps(kill)
+    def dump_then_kill(pid: int, *args, **kwargs):
+        import psutil
+
+        try:
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            procs = []
+        for p in procs:
+            try:
+                p.send_signal(DUMP_SIGNAL)
+            except psutil.Error:
+                pass
+        if procs:
+            time.sleep(0.5)  # they write their stacks
+        return kill(pid, *args, **kwargs)
+
+    dump_then_kill.mmhandoff_fast_exit = True
+    return dump_then_kill
+
+
 def install() -> None:
     """Patch the teardown of vLLM's engine-core and worker process classes (idempotent)."""
     if not enabled():
         return
+    if threading.current_thread() is threading.main_thread():
+        faulthandler.register(DUMP_SIGNAL, all_threads=True)
+    import vllm.v1.utils as v1_utils
+
+    if not getattr(v1_utils.kill_process_tree, "mmhandoff_fast_exit", False):
+        v1_utils.kill_process_tree = _dump_before_kill(v1_utils.kill_process_tree)
     # Both classes run only in vLLM's own child processes (an in-process engine is an
     # EngineCore), and each calls `shutdown` once, in its process's last steps.
     from vllm.v1.engine.core import EngineCoreProc

@@ -13,13 +13,15 @@ the Dynamo runtime): on 2 cores the graph's TTFT doubled and its throughput at c
 Here a reader spins for `MMHANDOFF_SHM_SPIN_S` (default 2 ms) after a message, then waits on the
 notification with a wake-up every millisecond. The wake-up is needed: ZMQ notifications are lost
 now and then (vLLM itself re-checks the ring every 5 s for that reason, which with a short spin
-stalled requests for 5 s). Set `MMHANDOFF_SHM_SPIN_S=default` to keep vLLM's behaviour. GPU
-hosts are left alone: with one GPU there is no worker process and no ring, and with several the
-spinning cores are a fair price on a large host.
+stalled requests for 5 s). A reader's cancel (at shutdown) no longer blocks; see
+`_cancel_without_blocking`. Set `MMHANDOFF_SHM_SPIN_S=default` to keep vLLM's behaviour. GPU
+hosts are left alone: with one GPU there is no worker process and no ring, and with several
+the spinning cores are a fair price on a large host.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 from mmhandoff.vllm_adapter.plugin_setting import number_or_default
@@ -34,7 +36,8 @@ def spin_seconds() -> float | None:
 
 
 def install() -> None:
-    """Patch `SpinCondition.wait` in this process (idempotent; a no-op off CPU)."""
+    """Patch `SpinCondition.wait` and `.cancel` in this process (idempotent; a no-op off
+    CPU)."""
     from vllm.platforms import current_platform
 
     seconds = spin_seconds()
@@ -60,3 +63,26 @@ def install() -> None:
 
     wait.mmhandoff_spin_s = seconds
     condition.wait = wait
+    condition.cancel = _cancel_without_blocking(zmq)
+
+
+def _cancel_without_blocking(zmq):
+    """vLLM's `SpinCondition.cancel` (wake a reader so that it sees its queue shut down) sends
+    on a ZMQ socket, from the model worker's death-pipe thread and again from its teardown in
+    the main thread. ZMQ sockets are not thread-safe, and that send blocked a worker's
+    teardown until its engine core killed it, 9 s later, leaking its shared memory and a
+    semaphore (the stacks faulthandler dumped 3 s into the teardown: in `cancel`, in zmq's
+    `send`; a graph stop in about one CI run in three).
+    With the wait above a reader re-checks its queue's shutdown flag every RECHECK_MS anyway:
+    the wake-up is only a hint, sent by one thread at a time and never waited for."""
+    lock = threading.Lock()
+
+    def cancel(self) -> None:
+        if self.is_reader:
+            with lock:
+                try:
+                    self.write_cancel_socket.send(b"\x00", flags=zmq.NOBLOCK)
+                except zmq.ZMQError:  # the hint is queued already, or its reader is gone
+                    pass
+
+    return cancel

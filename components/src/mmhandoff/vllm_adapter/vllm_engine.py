@@ -17,6 +17,13 @@ from mmhandoff.vllm_adapter.inputs import (
 from mmhandoff.wire.handoff import Handoff, KVMismatch, Sampling
 
 
+# How long the engine core may take to stop (its model worker first) before vLLM kills it.
+# vLLM's 5 s ran out at a few graph stops in CI on the 2-core host (cause not found: a kill now
+# dumps the core's stacks first, see fast_exit); a core killed in its teardown leaks its
+# shared memory.
+SHUTDOWN_GRACE_S = 15.0
+
+
 def _client_errors() -> tuple[type[BaseException], ...]:
     """What vLLM raises for a request it refuses as given. Its own validation error is not a
     ValueError (vLLM 0.31); older versions raise ValueError only."""
@@ -156,4 +163,4 @@ class VllmEngine:
         return engine_core_pids(self.llm)
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        self.llm.shutdown(timeout=SHUTDOWN_GRACE_S)
