@@ -35,7 +35,8 @@ class AggWorker:
         prepare_ms = (time.perf_counter() - t0) * 1e3
         engine_request_id = f"{request.request_id}:agg:{uuid.uuid4().hex[:8]}"
         async with aclosing(stream_answer(
-                self.engine, self.engine.request(rendered, request.sampling),
+                self.engine, self.engine.request(rendered, request.sampling,
+                                                 cache_salt=request.cache_salt),
                 request.request_id, engine_request_id, kv_deadline_s=None, request_bytes=0,
                 prepare_ms=prepare_ms, t0=t0)) as chunks:
             async for chunk in chunks:

@@ -82,8 +82,11 @@ class Engine(Protocol):
         ...
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
-                kv_transfer_params: dict[str, Any] | None = None) -> Any:
-        """A request for `rendered` (prefill, agg, and the full-media arm)."""
+                kv_transfer_params: dict[str, Any] | None = None,
+                cache_salt: str | None = None) -> Any:
+        """A request for `rendered` (prefill, agg, and the full-media arm). `cache_salt` goes
+        into its blocks' hashes, as it does on decode (`kv_only`): prefix-cache isolation, and
+        the same hashes on both engines."""
         ...
 
     def extend(self, rendered: Rendered, token_ids: list[int]) -> Rendered:

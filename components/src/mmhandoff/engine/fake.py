@@ -104,7 +104,8 @@ class FakeEngine:
         return Rendered(ids, features, hashes)
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
-                kv_transfer_params: dict[str, Any] | None = None) -> FakeRequest:
+                kv_transfer_params: dict[str, Any] | None = None,
+                cache_salt: str | None = None) -> FakeRequest:
         return FakeRequest(list(rendered.token_ids), list(rendered.engine_input),
                            sampling.max_tokens if max_tokens is None else max_tokens,
                            kv_transfer_params)

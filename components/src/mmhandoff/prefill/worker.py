@@ -63,7 +63,8 @@ class PrefillWorker:
             rendered = self.engine.extend(rendered, request.continuation)
         t1 = time.perf_counter()
         engine_request = self.engine.request(rendered, request.sampling, max_tokens=1,
-                                             kv_transfer_params={"do_remote_decode": True})
+                                             kv_transfer_params={"do_remote_decode": True},
+                                             cache_salt=request.cache_salt)
         final = None
         engine_request_id = f"{request.request_id}:prefill:{uuid.uuid4().hex[:8]}"
         async with aclosing(self.engine.generate(engine_request, engine_request_id)) as steps:

@@ -77,12 +77,15 @@ class VllmEngine:
         return Rendered(r.token_ids, r.features, r.engine_input)
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
-                kv_transfer_params: dict[str, Any] | None = None) -> Any:
+                kv_transfer_params: dict[str, Any] | None = None,
+                cache_salt: str | None = None) -> Any:
         try:
             params = sampling_params(sampling, max_tokens=max_tokens,
                                      kv_transfer_params=kv_transfer_params)
         except self._refused as e:  # e.g. a negative temperature
             raise EngineInputError(str(e)) from None
+        if cache_salt is not None:  # vLLM's input processor reads it from the engine input
+            return dict(rendered.engine_input, cache_salt=cache_salt), params
         return rendered.engine_input, params
 
     def extend(self, rendered: Rendered, token_ids: list[int]) -> Rendered:

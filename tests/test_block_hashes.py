@@ -1,0 +1,138 @@
+"""BlockHasher (mmhandoff.vllm_adapter.block_hashes): the engine's prefix-cache block hashes,
+computed outside it, bit for bit. Checked two ways: against an independent implementation of
+vLLM's documented scheme (sha256 over the pickled (parent, block tokens, extra keys), NONE_HASH
+from the seed) for block sizes 32, 64 and 128; and against the hashes a live prefill engine
+and the decode engine that pulled them publish in their KV events for the same prompts (a
+cache_salt included: prefill's engine ignored it until this test found that)."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import random
+
+import pytest
+
+from mmhandoff.vllm_adapter.block_hashes import BlockHasher
+from mmhandoff.wire.messages import PrefillRequest
+from tests.conftest import chat, data_uri, encode, make_image
+from tests.flows import collect, greedy
+
+pytestmark = pytest.mark.engine  # vLLM's hasher: the engine tier's interpreter has vLLM loaded
+
+
+def _reference(token_ids, images, block_size, cache_salt=None, seed="0") -> list[int]:
+    """vLLM's scheme, written from its description: each full block's hash is sha256 of the
+    pickled (parent hash, block tokens, extra keys); extra keys are ("mm", identity, offset of
+    the image's first token relative to the block) for each image overlapping the block, and
+    ("cache_salt", salt) on the first block; the first block's parent is sha256 of the pickled
+    seed; KV events carry the low 64 bits, big-endian."""
+    def sha(obj) -> bytes:
+        return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+    parent, out = sha(seed), []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        end = start + block_size
+        extra = [("mm", identity, offset - start) for identity, offset, length in images
+                 if offset < end and offset + length > start]
+        if start == 0 and cache_salt:
+            extra.append(("cache_salt", cache_salt))
+        parent = sha((parent, tuple(token_ids[start:end]), tuple(extra) or None))
+        out.append(int.from_bytes(parent, "big") & (2**64 - 1))
+    return out
+
+
+PROMPTS = {  # (tokens, images as (identity, offset, length), cache_salt)
+    "text only": (list(range(1, 300)), [], None),
+    "one image": (list(range(1, 700)), [("a" * 64, 5, 576)], None),
+    "image spanning blocks, then another": (
+        list(range(1, 1400)), [("a" * 64, 40, 576), ("b" * 64, 700, 576)], None),
+    "cache_salt": (list(range(1, 700)), [("a" * 64, 5, 576)], "tenant-7"),
+}
+
+
+@pytest.mark.parametrize("block_size", [32, 64, 128])
+@pytest.mark.parametrize("case", list(PROMPTS))
+def test_hashes_follow_vllms_scheme(case, block_size):
+    tokens, images, salt = PROMPTS[case]
+    got = BlockHasher(block_size).hashes(tokens, images, cache_salt=salt)
+    assert len(got) == len(tokens) // block_size
+    assert got == _reference(tokens, images, block_size, salt)
+
+
+def test_an_images_identity_changes_its_blocks_and_those_after_only():
+    tokens, images, _ = PROMPTS["image spanning blocks, then another"]
+    hasher = BlockHasher(32)
+    base = hasher.hashes(tokens, images)
+    other = hasher.hashes(tokens, [images[0], ("c" * 64, 700, 576)])
+    first_changed = 700 // 32
+    assert other[:first_changed] == base[:first_changed]
+    assert all(a != b for a, b in zip(other[first_changed:], base[first_changed:]))
+    assert hasher.hashes(tokens[:320], images[:1]) == base[:10]  # a prefix's hashes: a prefix
+
+
+def test_one_process_hashes_with_one_seed():
+    BlockHasher(32)
+    with pytest.raises(ValueError, match="seed"):
+        BlockHasher(32, seed=1)
+
+
+@pytest.fixture(scope="module")
+def prefill(engines):
+    from mmhandoff.decode.worker import DecodeWorker
+    from mmhandoff.prefill.worker import PrefillWorker
+
+    return PrefillWorker(engines.prefill), DecodeWorker(engines.decode, kv_deadline_s=30)
+
+
+def _published(events, token_ids, block_size=32):
+    """The hashes the engine published for the full blocks of `token_ids`, parent to child."""
+    found, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        match = [b for b in events.stored() if b.token_ids == block and b.parent == parent]
+        if not match:
+            return None
+        parent = match[-1].block_hash
+        found.append(parent)
+    return found
+
+
+LIVE = {
+    "text only": ([], None),
+    "one image": ([(640, 480, 21)], None),
+    "two images": ([(320, 240, 22), (96, 128, 23)], None),
+    "cache_salt": ([(640, 480, 21)], "tenant-7"),
+}
+
+
+@pytest.mark.parametrize("case", list(LIVE))
+def test_hashes_equal_the_engines_kv_events(loop, engines, prefill, case):
+    import time
+
+    prefill_worker, decode_worker = prefill
+    images, salt = LIVE[case]
+    uris = [data_uri(encode(make_image(w, h, seed))) for w, h, seed in images]
+    words = " ".join(random.Random(len(case)).choice(["red", "blue", "cat", "sky"])
+                     for _ in range(80))  # text of its own: blocks the engine has not seen
+    request = PrefillRequest(request_id=f"bh-{case}", messages=chat(f"{case}: {words}", *uris),
+                             sampling=greedy(2), cache_salt=salt)
+
+    async def run():
+        handoff, _ = await prefill_worker.handoff(request)
+        await collect(decode_worker.generate(handoff))  # pulls, and so frees prefill's blocks
+        return handoff
+
+    h = loop.run(run())
+    assert len(h.token_ids) >= 64
+    deadline = time.monotonic() + 10
+    while None in (_published(engines.prefill_events, h.token_ids),
+                   _published(engines.decode_events, h.token_ids)):
+        assert time.monotonic() < deadline, "an engine published no KV events for the prompt"
+        time.sleep(0.05)
+    published = _published(engines.prefill_events, h.token_ids)
+    assert BlockHasher(32).of_handoff(h) == published
+    assert _published(engines.decode_events, h.token_ids) == published  # decode: the same
+    if salt:  # the salt is in the hashes: the unsalted prompt's would differ
+        assert BlockHasher(32).hashes(h.token_ids, [(d, s.offset, s.length)
+                                                   for _, d, s in h.items()]) != published
