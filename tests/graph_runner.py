@@ -197,23 +197,42 @@ class Servers:
         nats_bin = shutil.which("nats-server", path=str(bindir)) or shutil.which("nats-server")
         assert etcd_bin and nats_bin, "etcd or nats-server missing: run scripts/setup.sh"
         self.etcdctl = str(Path(etcd_bin).with_name("etcdctl"))
-        client, peer, nats, monitor = free_port(), free_port(), free_port(), free_port()
+        client, self.peer, nats, monitor = free_port(), free_port(), free_port(), free_port()
+        self.tmp, self.etcd_bin, self.nats_bin = tmp, etcd_bin, nats_bin
         self.nats_monitor = f"http://127.0.0.1:{monitor}"
         self.etcd_url, self.nats_url = f"http://127.0.0.1:{client}", f"nats://127.0.0.1:{nats}"
-        self.etcd = subprocess.Popen(
-            [etcd_bin, "--data-dir", str(tmp / "etcd"), "--name", "t",
-             "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
-            stdout=subprocess.DEVNULL, stderr=open(tmp / "etcd.log", "w"))
-        self.nats = subprocess.Popen(
-            [nats_bin, "-a", "127.0.0.1", "-p", str(nats), "-m", str(monitor), "-js",
-             "-sd", str(tmp / "nats")],
-            stdout=subprocess.DEVNULL, stderr=open(tmp / "nats.log", "w"))
+        self.etcd = self._etcd()
+        self.nats = self._nats()
         _wait_port(client, self.etcd, "etcd")
         _wait_port(nats, self.nats, "nats-server")
         _wait_port(monitor, self.nats, "nats-server monitoring")
+
+    def _etcd(self) -> subprocess.Popen:
+        peer = f"http://127.0.0.1:{self.peer}"
+        return subprocess.Popen(
+            [self.etcd_bin, "--data-dir", str(self.tmp / "etcd"), "--name", "t",
+             "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"t={peer}"],
+            stdout=subprocess.DEVNULL, stderr=open(self.tmp / "etcd.log", "a"))
+
+    def _nats(self) -> subprocess.Popen:
+        port, monitor = self.nats_url.rsplit(":", 1)[1], self.nats_monitor.rsplit(":", 1)[1]
+        return subprocess.Popen(
+            [self.nats_bin, "-a", "127.0.0.1", "-p", port, "-m", monitor, "-js",
+             "-sd", str(self.tmp / "nats")],
+            stdout=subprocess.DEVNULL, stderr=open(self.tmp / "nats.log", "a"))
+
+    def kill(self, name: str) -> None:
+        """SIGKILL etcd or NATS (an outage: `restart` brings it back, same ports and data)."""
+        proc = getattr(self, name)
+        proc.kill()
+        proc.wait()
+
+    def restart(self, name: str) -> None:
+        setattr(self, name, self._etcd() if name == "etcd" else self._nats())
+        url = self.etcd_url if name == "etcd" else self.nats_url
+        _wait_port(int(url.rsplit(":", 1)[1]), getattr(self, name), name)
 
     def close(self) -> None:
         for p in (self.etcd, self.nats):

@@ -224,6 +224,48 @@ def test_disagg_graph_on_etcd_and_nats_then_a_crash(tmp_path, image_server, agg_
         servers.close()
 
 
+HELLO = {"model": MODEL, "max_tokens": 4, "temperature": 0,
+         "messages": [{"role": "user", "content": "Hello there."}]}
+
+
+def test_nats_and_etcd_outages_under_a_running_graph(tmp_path):
+    """A NATS outage (the request plane): each request meanwhile gets 503 `prefill_failed` at
+    once, and the graph answers again within 30 s of NATS's return. An etcd outage (discovery)
+    of 25 s, longer than a lease (10 s): the graph either rides it out or stops with exit 1
+    naming the component that lost its registration, within 75 s of etcd's return; never does it
+    run on answering only 503s (Dynamo does not register an instance again after its lease
+    expired; serving/registration.py)."""
+    servers = Servers(tmp_path)
+    try:
+        graph = Graph("graphs.disagg:Frontend", "configs/disagg.yaml", tmp_path,
+                      etcd=servers.etcd_url, nats=servers.nats_url, namespace="mmh-outage")
+        with graph.failing_loudly():
+            assert _post(graph.url, HELLO)[0] == 200
+            servers.kill("nats")
+            status, body = _post(graph.url, HELLO)
+            assert (status, json.loads(body)["error"]["code"]) == (503, "prefill_failed")
+            servers.restart("nats")
+            deadline = time.monotonic() + 30
+            while _post(graph.url, HELLO)[0] != 200:
+                assert time.monotonic() < deadline, "no answer 30 s after NATS came back"
+                time.sleep(0.5)  # polling the graph, bounded
+            servers.kill("etcd")
+            time.sleep(25)  # the outage itself
+            servers.restart("etcd")
+            deadline = time.monotonic() + 75
+            while graph.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)  # polling serve, bounded
+            if graph.proc.poll() is None:  # rode it out: it answers
+                assert _post(graph.url, HELLO)[0] == 200, graph.tail()
+                graph.stop()
+            else:
+                graph.wait(expect=1)
+                assert any("in discovery for" in line or "stopped serving" in line
+                           for line in graph.log), graph.tail()
+    finally:
+        servers.close()
+
+
 def test_ctrl_c_while_the_graph_starts(tmp_path):
     """Ctrl-C before the graph is ready stops it at once (serve does not wait out the start-up),
     exit 0, and nothing it started is left, engine cores in the middle of starting included."""

@@ -330,12 +330,18 @@ def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece) ->
     return chunk
 
 
+async def _alive(request):
+    yield {"alive": True}
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmhandoff.frontend`: serve HTTP once the workers are discoverable."""
     import argparse
     import signal
 
+    from mmhandoff.serving.registration import LOST_AFTER_S, lost_registration
     from mmhandoff.serving.runtime import client, run, runtime
+    from mmhandoff.serving.runtime import serve as serve_endpoint
 
     p = argparse.ArgumentParser(prog="python -m mmhandoff.frontend")
     p.add_argument("--namespace", default="mmhandoff")
@@ -386,10 +392,23 @@ def main(argv: list[str] | None = None) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await stop.wait()
+        # The frontend's own instance in discovery, watched like a worker's: a runtime that lost
+        # its etcd lease sees no worker again (every answer a 503) though the process runs.
+        alive = f"{args.namespace}.frontend.alive"
+        serving_alive = serve_endpoint(rt, alive, _alive, ())
+        lost = asyncio.ensure_future(lost_registration(rt, alive))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
+        code = 0
+        if lost.done():
+            print(f"[frontend] not in discovery for {LOST_AFTER_S:.0f} s (its lease ended while "
+                  f"etcd was away?): exiting", file=sys.stderr, flush=True)
+            code = 1
+        for task in (stopped, lost, serving_alive):
+            task.cancel()
         await runner.cleanup()  # in-flight answers finish (DRAIN_S at most)
         rt.shutdown()
-        return 0
+        return code
 
     return run(serve())
 

@@ -122,6 +122,7 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
     from mmhandoff.serving.health import ENGINE_DEAD, start_not_ready, watch_engine
     from mmhandoff.serving.runtime import runtime, serve
     from mmhandoff.serving.load_metrics import publish_engine_load
+    from mmhandoff.serving.registration import LOST_AFTER_S, lost_registration
     from mmhandoff.vllm_adapter import EngineLoad, start_engine
 
     spec = engine_spec(args, spec_role(args) if callable(spec_role) else spec_role)
@@ -141,13 +142,18 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
     print(f"[{path}] ready", file=sys.stderr, flush=True)
     stopped = asyncio.ensure_future(stop.wait())
     watch = asyncio.ensure_future(watch_engine(rt, engine, path))
-    await asyncio.wait([stopped, watch, served], return_when=asyncio.FIRST_COMPLETED)
+    lost = asyncio.ensure_future(lost_registration(rt, path))
+    await asyncio.wait([stopped, watch, served, lost], return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if watch.done():
         code = ENGINE_DEAD
     elif served.done():
         print(f"[{path}] the endpoint stopped serving: {served.exception()!r}", file=sys.stderr,
               flush=True)
+        code = 1
+    elif lost.done():
+        print(f"[{path}] this worker has not been in discovery for {LOST_AFTER_S:.0f} s (its "
+              f"lease ended while etcd was away?): exiting", file=sys.stderr, flush=True)
         code = 1
     rt.set_health_status(False)
     rt.shutdown()  # stops accepting; graceful endpoints let in-flight requests finish
@@ -156,7 +162,7 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
             await asyncio.wait_for(served, 30)
         except (asyncio.TimeoutError, Exception):
             pass
-    for task in (stopped, watch, served):
+    for task in (stopped, watch, served, lost):
         task.cancel()
     engine.shutdown()
     return code
