@@ -13,7 +13,9 @@ import random
 
 import pytest
 
+from mmhandoff.router.index import KvIndex
 from mmhandoff.vllm_adapter.block_hashes import BlockHasher
+from mmhandoff.vllm_adapter.kv_events import feed
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import collect, greedy
@@ -133,6 +135,12 @@ def test_hashes_equal_the_engines_kv_events(loop, engines, prefill, case):
     published = _published(engines.prefill_events, h.token_ids)
     assert BlockHasher(32).of_handoff(h) == published
     assert _published(engines.decode_events, h.token_ids) == published  # decode: the same
+    # the router's index, fed the engines' own events, finds the whole prompt on both
+    index = KvIndex()
+    feed(index, 1, engines.prefill_events.events())
+    feed(index, 2, engines.decode_events.events())
+    assert index.overlap(BlockHasher(32).of_handoff(h)) == {1: len(published),
+                                                          2: len(published)}
     if salt:  # the salt is in the hashes: the unsalted prompt's would differ
         assert BlockHasher(32).hashes(h.token_ids, [(d, s.offset, s.length)
                                                    for _, d, s in h.items()]) != published

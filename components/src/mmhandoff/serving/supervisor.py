@@ -10,7 +10,8 @@ callers first, each stage after the previous one exited: the frontend finishes t
 has in flight while the workers still serve them, then the workers go (SIGTERM to each replica,
 which stops its own engine; for a dead replica, to the engine processes it left; serve waits for
 the replica's session to empty, so they and Python's resource tracker unlink their shared memory;
-SIGKILL to whatever is left after a grace period). It exits 0 on a requested stop, 1 when a component died.
+SIGKILL to whatever is left after a grace period). It exits 0 on a requested stop, 1 when a
+component died.
 
 Once the graph is ready, a dead replica of a component with several replicas is restarted (the
 others serve meanwhile; the frontend retries or ends the requests it had in flight there): after

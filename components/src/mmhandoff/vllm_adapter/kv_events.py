@@ -2,7 +2,7 @@
 
 The events are vLLM's own wire format, hence this module's place in the adapter. The engine binds
 (`tcp://*:PORT` in its kv_events_config); this side connects. The router will build its index
-from the same stream; tests use it to compare block hashes between engines.
+from the same stream (`feed`); tests use it to compare block hashes between engines.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class KVEventSubscriber:
         self._sock.connect(endpoint)
         self._lock = threading.Lock()
         self._stored: list[StoredBlock] = []
+        self._events: list = []  # every event, in order (vLLM's types)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-events {endpoint}", daemon=True)
         self._thread.start()
@@ -46,6 +47,7 @@ class KVEventSubscriber:
                 continue
             batch = self._decoder.decode(payload)
             with self._lock:
+                self._events.extend(batch.events)
                 for event in batch.events:
                     if type(event).__name__ != "BlockStored":
                         continue
@@ -62,7 +64,24 @@ class KVEventSubscriber:
         with self._lock:
             return list(self._stored)
 
+    def events(self) -> list:
+        with self._lock:
+            return list(self._events)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(linger=0)
+
+
+def feed(index, instance: int, events) -> None:
+    """vLLM's KV events, applied in order to a router index (mmhandoff.router.index.KvIndex) as
+    the blocks `instance` holds."""
+    for event in events:
+        kind = type(event).__name__
+        if kind == "BlockStored":
+            index.stored(instance, event.block_hashes)
+        elif kind == "BlockRemoved":
+            index.removed(instance, event.block_hashes)
+        elif kind == "AllBlocksCleared":
+            index.cleared(instance)

@@ -1,0 +1,105 @@
+"""The router's decision cost, side by side in one run: hash a prompt's blocks, look them up in
+the index, pick the replica with the longest cached prefix (ties: the lower id).
+
+    .venv/bin/python benchmarks/routing_decision.py [--repeats 200]
+
+Arms, on the same prompts and the same index contents:
+- mmhandoff: BlockHasher (vLLM's own hasher: sha256 over pickled blocks, image identities in the
+  keys) + KvIndex.overlap (Python sets), the engines' exact hashes;
+- dynamo:    dynamo.llm's compute_block_hash_for_seq (xxh3 over token bytes, in Rust) +
+             RadixTree.find_matches, Dynamo's own KV router path (its hashes are its own: they do
+             not equal the engine's, which is why mmhandoff does not use them).
+Prompts of 2k/8k/16k tokens with 1 or 4 images (576 tokens each), 4/16/64 replicas; each replica
+holds a random-length prefix of every prompt plus unrelated blocks. Block size 32 (vLLM on CPU).
+p50/p99 per cell in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+BLOCK = 32
+IMAGE_TOKENS = 576
+
+
+def _prompt(rng, n_tokens: int, n_images: int):
+    tokens = [rng.randrange(1, 32000) for _ in range(n_tokens)]
+    gap = n_tokens // (n_images + 1)
+    images = [(f"{rng.getrandbits(256):064x}", gap * (i + 1) - IMAGE_TOKENS // 2, IMAGE_TOKENS)
+              for i in range(n_images)]
+    return tokens, images
+
+
+def _pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _dynamo_event(event_id: int, parent, blocks) -> bytes:
+    return json.dumps({"event_id": event_id, "data": {"stored": {
+        "parent_hash": parent,
+        "blocks": [{"block_hash": b, "tokens_hash": b} for b in blocks]}}}).encode()
+
+
+def main(args) -> None:
+    from mmhandoff.router.index import KvIndex
+    from mmhandoff.vllm_adapter.block_hashes import BlockHasher
+
+    try:
+        from dynamo.llm import RadixTree, compute_block_hash_for_seq
+    except ImportError:
+        RadixTree = None
+    rng = random.Random(7)
+    hasher = BlockHasher(BLOCK)
+    print(f"{'tokens':>6} {'images':>6} {'replicas':>8} | {'mmhandoff p50':>13} {'p99':>7} | "
+          f"{'dynamo p50':>10} {'p99':>7} | us")
+    for n_tokens in (2048, 8192, 16384):
+        for n_images in (1, 4):
+            prompts = [_prompt(rng, n_tokens, n_images) for _ in range(4)]
+            ours_hashes = [hasher.hashes(t, im) for t, im in prompts]
+            for replicas in (4, 16, 64):
+                index = KvIndex()
+                tree = RadixTree() if RadixTree else None
+                event_id = 0
+                for r in range(replicas):
+                    for (tokens, _), hashes in zip(prompts, ours_hashes):
+                        keep = rng.randrange(len(hashes) + 1)
+                        index.stored(r, hashes[:keep])
+                        index.stored(r, [rng.getrandbits(63) for _ in range(64)])
+                        if tree is not None:
+                            local = compute_block_hash_for_seq(tokens, BLOCK)[:keep]
+                            if local:
+                                event_id += 1
+                                tree.apply_event(r, _dynamo_event(event_id, None, local))
+                ours, theirs = [], []
+                for i in range(args.repeats):
+                    tokens, images = prompts[i % len(prompts)]
+                    t0 = time.perf_counter()
+                    overlap = index.overlap(hasher.hashes(tokens, images))
+                    max(overlap, key=lambda k: (overlap[k], -k))
+                    ours.append((time.perf_counter() - t0) * 1e6)
+                    if tree is not None:
+                        t0 = time.perf_counter()
+                        scores = tree.find_matches(compute_block_hash_for_seq(tokens, BLOCK))
+                        s = scores.scores
+                        max(s, key=lambda k: (s[k], -k[0] if isinstance(k, tuple) else -k),
+                            default=None)
+                        theirs.append((time.perf_counter() - t0) * 1e6)
+                d50 = f"{_pct(theirs, .5):10.0f} {_pct(theirs, .99):7.0f}" if theirs else \
+                    f"{'-':>10} {'-':>7}"
+                print(f"{n_tokens:>6} {n_images:>6} {replicas:>8} | {_pct(ours, .5):13.0f} "
+                      f"{_pct(ours, .99):7.0f} | {d50} |", flush=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=200)
+    main(p.parse_args())
