@@ -1,4 +1,5 @@
-"""The three ways a test runs one request: handoff, aggregated, and full-media P/D."""
+"""The three ways a test runs one request (handoff, aggregated, full-media P/D), and the block
+hashes an engine published for a prompt."""
 
 from __future__ import annotations
 
@@ -45,3 +46,19 @@ async def full_media_run(prefill, full_worker, request_id, messages, sampling, i
         kv_transfer_params=handoff.kv_transfer_params, sampling=sampling))
     tokens, last = await collect(full_worker.generate(wire))
     return tokens, last
+
+
+def published_chain(events, token_ids, block_size=32):
+    """The hashes an engine's KV events (a KVEventSubscriber) stored for the full blocks of
+    `token_ids`, followed parent to child from the first block; None until every block has
+    been seen."""
+    found, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        match = [b for b in events.stored() if b.token_ids == block and b.parent == parent]
+        if not match:
+            return None
+        parent = match[-1].block_hash
+        found.append(parent)
+    return found
+

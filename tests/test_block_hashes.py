@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import random
+import time
 
 import pytest
 
@@ -18,7 +19,7 @@ from mmhandoff.vllm_adapter.block_hashes import BlockHasher
 from mmhandoff.vllm_adapter.kv_events import feed
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
-from tests.flows import collect, greedy
+from tests.flows import collect, greedy, published_chain
 
 pytestmark = pytest.mark.engine  # vLLM's hasher: the engine tier's interpreter has vLLM loaded
 
@@ -87,19 +88,6 @@ def prefill(engines):
     return PrefillWorker(engines.prefill), DecodeWorker(engines.decode, kv_deadline_s=30)
 
 
-def _published(events, token_ids, block_size=32):
-    """The hashes the engine published for the full blocks of `token_ids`, parent to child."""
-    found, parent = [], None
-    for i in range(len(token_ids) // block_size):
-        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
-        match = [b for b in events.stored() if b.token_ids == block and b.parent == parent]
-        if not match:
-            return None
-        parent = match[-1].block_hash
-        found.append(parent)
-    return found
-
-
 LIVE = {
     "text only": ([], None),
     "one image": ([(640, 480, 21)], None),
@@ -110,8 +98,6 @@ LIVE = {
 
 @pytest.mark.parametrize("case", list(LIVE))
 def test_hashes_equal_the_engines_kv_events(loop, engines, prefill, case):
-    import time
-
     prefill_worker, decode_worker = prefill
     images, salt = LIVE[case]
     uris = [data_uri(encode(make_image(w, h, seed))) for w, h, seed in images]
@@ -128,13 +114,13 @@ def test_hashes_equal_the_engines_kv_events(loop, engines, prefill, case):
     h = loop.run(run())
     assert len(h.token_ids) >= 64
     deadline = time.monotonic() + 10
-    while None in (_published(engines.prefill_events, h.token_ids),
-                   _published(engines.decode_events, h.token_ids)):
+    while None in (published_chain(engines.prefill_events, h.token_ids),
+                   published_chain(engines.decode_events, h.token_ids)):
         assert time.monotonic() < deadline, "an engine published no KV events for the prompt"
         time.sleep(0.05)
-    published = _published(engines.prefill_events, h.token_ids)
+    published = published_chain(engines.prefill_events, h.token_ids)
     assert BlockHasher(32).of_handoff(h) == published
-    assert _published(engines.decode_events, h.token_ids) == published  # decode: the same
+    assert published_chain(engines.decode_events, h.token_ids) == published  # decode: the same
     # the router's index, fed the engines' own events, finds the whole prompt on both
     index = KvIndex()
     feed(index, 1, engines.prefill_events.events())

@@ -12,7 +12,7 @@ from mmhandoff.decode.worker import DecodeWorker
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
-from tests.flows import agg_run, full_media_run, greedy, handoff_run
+from tests.flows import agg_run, full_media_run, greedy, handoff_run, published_chain
 
 pytestmark = pytest.mark.engine
 
@@ -66,29 +66,15 @@ def _wait_for(predicate, timeout=10.0):
     return predicate()
 
 
-def _chain(sub, token_ids, block_size=32):
-    """The hashes `sub` saw stored for the full blocks of `token_ids`, followed parent to child
-    from the first block; None until every block has been seen."""
-    found, parent = [], None
-    for i in range(len(token_ids) // block_size):
-        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
-        match = [b for b in sub.stored() if b.token_ids == block and b.parent == parent]
-        if not match:
-            return None
-        parent = match[-1].block_hash
-        found.append(parent)
-    return found
-
-
 def test_block_hashes_equal_on_prefill_and_decode(loop, workers, engines):
     prefill, decode, _ = workers
     uri = data_uri(encode(make_image(300, 200, 7)))
     _, _, h = loop.run(handoff_run(prefill, decode, "hash-a", chat("Hash me.", uri), greedy(4)))
     assert len(h.token_ids) // 32 >= 2
-    assert _wait_for(lambda: _chain(engines.prefill_events, h.token_ids)
-                     and _chain(engines.decode_events, h.token_ids))
-    d_hashes = _chain(engines.decode_events, h.token_ids)
-    assert _chain(engines.prefill_events, h.token_ids) == d_hashes
+    assert _wait_for(lambda: published_chain(engines.prefill_events, h.token_ids)
+                     and published_chain(engines.decode_events, h.token_ids))
+    d_hashes = published_chain(engines.decode_events, h.token_ids)
+    assert published_chain(engines.prefill_events, h.token_ids) == d_hashes
     # the image's identity is part of the hash: the blocks holding image tokens carry it
     image_hash = h.features.mm_hashes["image"][0]
     extra = [b.extra_keys for b in engines.decode_events.stored() if b.block_hash in d_hashes]
