@@ -19,8 +19,8 @@ from mmhandoff.decode.worker import DecodeWorker
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image, start
-from tests.flows import agg_run, full_media_run, greedy, handoff_run
-from tests.test_handoff_flow import _chain, _wait_for, continued, streamed
+from tests.flows import agg_run, full_media_run, greedy, handoff_run, published_chain
+from tests.test_handoff_flow import _wait_for, continued, streamed
 
 pytestmark = pytest.mark.gpu
 
@@ -90,9 +90,10 @@ def test_block_hashes_equal_on_prefill_and_decode_on_a_gpu(loop, gpu, workers):
     uri = data_uri(encode(make_image(300, 200, 7)))
     _, _, h = loop.run(handoff_run(prefill, decode, "gpu-hash", chat("Hash me.", uri),
                                    greedy(4)))
-    assert _wait_for(lambda: _chain(events["prefill"], h.token_ids)
-                     and _chain(events["decode"], h.token_ids))
-    assert _chain(events["prefill"], h.token_ids) == _chain(events["decode"], h.token_ids)
+    assert _wait_for(lambda: published_chain(events["prefill"], h.token_ids)
+                     and published_chain(events["decode"], h.token_ids))
+    assert published_chain(events["prefill"], h.token_ids) == \
+        published_chain(events["decode"], h.token_ids)
 
 
 def test_decode_fails_closed_without_kv_and_stays_healthy_on_a_gpu(loop, gpu, workers):
