@@ -113,8 +113,8 @@ class Graph:
             assert not _shm() - self.shm_before, _shm() - self.shm_before
         if expect == 0 and self.started:
             self.reader.join(timeout=10)  # the log's last lines
-            # vLLM kills an engine core that does not end in 5 s; Python's resource tracker
-            # unlinks (and reports) shared memory its creator left
+            # vLLM kills an engine core that does not end in its grace (15 s: VllmEngine);
+            # Python's resource tracker unlinks (and reports) shared memory its creator left
             unclean = [line for line in self.log if "force killing" in line or "leaked" in line]
             assert not unclean, (unclean, self._replica_tail(unclean[0] if unclean else ""))
 
