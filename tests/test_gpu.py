@@ -19,6 +19,7 @@ from mmhandoff.decode.worker import DecodeWorker
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image, start
+from tests.fault_connector import MARK
 from tests.flows import agg_run, full_media_run, greedy, handoff_run, published_chain
 from tests.test_handoff_flow import _wait_for, continued, streamed
 
@@ -34,8 +35,10 @@ def gpu(loop):
     common = dict(model=str(ensure_dummy_model("llava-1.5-7b")), dtype="bfloat16",
                   extra={"load_format": "dummy"}, gpu_memory_utilization=0.25)
     ports = {role: free_port() for role in ("prefill", "decode")}
+    # decode's connector fails the loads of requests marked for it (tests/fault_connector.py)
+    fault = {"decode": "tests.fault_connector.FaultInjectingNixlConnector"}
     engines = {role: start(loop, EngineSpec(
-        role=role, nixl_port=free_port(), **common,
+        role=role, nixl_port=free_port(), **common, connector_module=fault.get(role),
         kv_events_endpoint=f"tcp://*:{ports[role]}" if role in ports else None))
         for role in ("prefill", "decode", "full_media_decode")}
     events = {role: KVEventSubscriber(f"tcp://127.0.0.1:{port}") for role, port in ports.items()}
@@ -108,6 +111,23 @@ def test_decode_fails_closed_without_kv_and_stays_healthy_on_a_gpu(loop, gpu, wo
                                                                  kv_transfer_params={}))))
     tokens, _, _ = loop.run(handoff_run(prefill, decode, "gpu-after", messages, s))
     assert tokens == loop.run(agg_run(prefill, engines["full_media_decode"], "gpu-after",
+                                      messages, s))
+
+
+def test_an_injected_kv_load_failure_fails_closed_on_a_gpu(loop, gpu, workers):
+    """NIXL reports the pulled blocks as failed (as for a transfer error): vLLM's failure path
+    on the GPU ends the request with a typed error, and the engine answers the next one."""
+    engines, _ = gpu
+    prefill, decode, _ = workers
+    messages = chat("Fail me.", data_uri(encode(make_image(640, 480, 11), "JPEG"), "image/jpeg"))
+    s = greedy(8, ignore_eos=True)
+    handoff, _ = loop.run(prefill.handoff(PrefillRequest(
+        request_id=f"gpu-{MARK}", messages=messages, sampling=s)))
+    with pytest.raises(KVCoverageError) as err:
+        loop.run(collect(decode.generate(handoff)), timeout=120)
+    assert "kv_load_failed" in err.value.cause
+    tokens, _, _ = loop.run(handoff_run(prefill, decode, "gpu-after-fault", messages, s))
+    assert tokens == loop.run(agg_run(prefill, engines["full_media_decode"], "gpu-after-fault",
                                       messages, s))
 
 

@@ -64,6 +64,11 @@ class EngineSpec:
     # Only the engines that read (decode) get it: the reader's UCX picks the protocol.
     # False leaves UCX's own choice ("auto").
     cuda_ipc_get: bool = True
+    # GPU: each KV block holds every layer side by side, so NIXL moves one descriptor per block
+    # instead of one per layer and K/V (64x fewer for a 32-layer model). cuda_ipc pays ~8 us per
+    # descriptor whatever its size, which bounds the pull (docs/gpu.md). Every engine that moves
+    # KV must agree: vLLM's NIXL handshake refuses a peer with the other layout.
+    kv_blocks_across_layers: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs as is
 
     def __post_init__(self) -> None:
@@ -107,6 +112,7 @@ def engine_args(spec: EngineSpec):
         }
         if spec.kv_lease_s is not None:
             extra["kv_lease_duration"] = spec.kv_lease_s
+        extra.update(_blocks_across_layers(spec)[1])
         module = spec.connector_module or CONNECTOR
         connector = dict(
             kv_connector=module.rsplit(".", 1)[1],
@@ -144,7 +150,33 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_port)
         if not on_cpu() and spec.role in KV_READERS:
             env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y" if spec.cuda_ipc_get else "auto"
+        env.update(_blocks_across_layers(spec)[0])
     return env
+
+
+def _blocks_across_layers(spec: EngineSpec) -> tuple[dict[str, str], dict[str, str]]:
+    """(environment, connector extra config) that make each KV block contiguous across layers.
+
+    Differs by vLLM version (named here, tested in test_engine_spec.py):
+    - 0.26 (the lent GPU): the HND layout plus NixlConnector's `enable_cross_layers_blocks`;
+      vLLM then allocates one tensor (blocks, heads, layers, tokens, K|V) and NIXL registers one
+      descriptor per block. Measured on an H200 (docs/gpu.md).
+    - 0.31 replaced both by a layout name (`VLLM_KV_CACHE_LAYOUT=BLHNC`) that only some
+      attention backends accept (FlashInfer, not FlashAttention): not applied, since no GPU
+      here runs 0.31 to test it; the engines keep vLLM's per-layer layout.
+    Nothing on CPU: the CPU attention backend has the per-layer layout only."""
+    if on_cpu() or spec.role == "agg" or not spec.kv_blocks_across_layers:
+        return {}, {}
+    if _layout_names_blocks_outermost():
+        return {}, {}
+    return {"VLLM_KV_CACHE_LAYOUT": "HND"}, {"enable_cross_layers_blocks": "True"}
+
+
+def _layout_names_blocks_outermost() -> bool:
+    """True on vLLM versions whose KV cache layouts are named by stride order (0.31)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.kv_cache_layout") is not None
 
 
 @contextlib.contextmanager
