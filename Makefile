@@ -3,10 +3,11 @@ setup:
 	bash scripts/setup.sh
 demo: setup
 	.venv/bin/python examples/graph_demo.py
-# unit first: a logic mistake fails in seconds, before any engine starts
+# unit first: a logic mistake fails in seconds, before any engine starts; short tracebacks
+# for the engine tiers, so that a failure's own message comes first in a CI report
 test: setup
 	.venv/bin/python -m pytest -q -m unit
-	.venv/bin/python -m pytest -q -m "engine or graph"
+	.venv/bin/python -m pytest -q --tb=short -m "engine or graph"
 test-unit: setup
 	.venv/bin/python -m pytest -q -m unit
 bench: setup

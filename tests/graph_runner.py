@@ -116,7 +116,9 @@ class Graph:
             # vLLM kills an engine core that does not end in its grace (15 s: VllmEngine);
             # Python's resource tracker unlinks (and reports) shared memory its creator left
             unclean = [line for line in self.log if "force killing" in line or "leaked" in line]
-            assert not unclean, (unclean, self._replica_tail(unclean[0] if unclean else ""))
+            if unclean:  # lines, not a repr: CI shows the start of a failure's report
+                raise AssertionError("unclean stop:\n" + "".join(unclean)
+                                     + "the replica's log:\n" + self._replica_tail(unclean[0]))
 
     def stop(self, sig=signal.SIGTERM, expect: int = 0, times: int = 1) -> None:
         for _ in range(times):  # e.g. Ctrl-C pressed again while serve is stopping

@@ -101,6 +101,17 @@ def _with_engine_args(config: str, tmp: Path, args: list[str]) -> str:
     return str(out)
 
 
+def _disagg_router(tmp: Path, policy: str = "kv") -> str:
+    """configs/disagg_router.yaml in fp32 (FP32), its router with `policy`."""
+    config = _with_engine_args("configs/disagg_router.yaml", tmp, FP32)
+    spec = yaml.safe_load(Path(config).read_text())
+    args = spec["components"]["router"]["args"]
+    args[args.index("--policy") + 1] = policy
+    out = tmp / f"{policy}-disagg_router.yaml"
+    out.write_text(yaml.safe_dump(spec))
+    return str(out)
+
+
 def _load_questions() -> dict[str, list[dict]]:
     """The load run's good requests: images of three sizes, two images, no image."""
     def ask(text, *images):
@@ -357,10 +368,10 @@ def _killed_mid_stream(graph: Graph, messages, victim: str, other: str, agg_fp32
 
 def test_a_decode_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
     """Issue 14 item 6: a decode replica killed -9 during 8 streams (see _killed_mid_stream);
-    after its restart the graph answers as agg again, on both replicas."""
-    graph = Graph("graphs.disagg_router:Frontend",
-                  _with_engine_args("configs/disagg_router.yaml", tmp_path, FP32), tmp_path,
-                  frontend_args=ALLOW_LOOPBACK_IMAGES)
+    after its restart the graph answers as agg again, on both replicas (round robin: the KV
+    policy would send the same question to the replica that kept its blocks, every time)."""
+    graph = Graph("graphs.disagg_router:Frontend", _disagg_router(tmp_path, "round_robin"),
+                  tmp_path, frontend_args=ALLOW_LOOPBACK_IMAGES)
     with graph.failing_loudly():
         _killed_mid_stream(graph, _questions(image_server)["data URI"], "decode-0", "decode-1",
                            agg_fp32)
@@ -374,9 +385,9 @@ def test_a_router_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
     """The router is on every answer's path (it relays decode's stream): one of two router
     replicas killed -9 during 8 streams is a lost path like a lost decode replica
     (see _killed_mid_stream); no engine holds KV afterwards."""
-    config = _with_engine_args("configs/disagg_router.yaml", tmp_path, FP32)
+    config = _disagg_router(tmp_path)
     spec = yaml.safe_load(Path(config).read_text())
-    spec["components"]["router"] = {"replicas": 2}
+    spec["components"]["router"]["replicas"] = 2
     Path(config).write_text(yaml.safe_dump(spec))
     graph = Graph("graphs.disagg_router:Frontend", config, tmp_path,
                   frontend_args=ALLOW_LOOPBACK_IMAGES)

@@ -45,6 +45,16 @@ class KvIndex:
         self.cleared(instance)
         self._held.pop(instance, None)
 
+    def apply(self, instance: int, kind: str, hashes: Iterable[int]) -> None:
+        """One change as a worker's kv_blocks stream gives it (mmhandoff.wire.messages.KvBlocks):
+        a snapshot replaces what the instance held."""
+        if kind in ("snapshot", "cleared"):
+            self.cleared(instance)
+        if kind in ("snapshot", "stored"):
+            self.stored(instance, hashes)
+        elif kind == "removed":
+            self.removed(instance, hashes)
+
     def instances(self) -> set[int]:
         return set(self._held)
 

@@ -1,36 +1,104 @@
-"""Decode router: takes a handoff and streams it to one decode replica.
+"""Decode router: takes a handoff and streams it to the decode replica that already holds most of
+its blocks.
 
-Today it passes through (Dynamo's round robin over the live decode instances); the KV-aware
-choice (the replica that already holds most of the request's blocks, by the engine's own block
-hashes) lands with the router issue and replaces `pick`. It is its own component so that the
-frontend and the graph do not change when it does.
+The request's block hashes are computed with vLLM's own hasher under the engines' settings
+(vllm_adapter.block_hashes) and looked up in an index of what each decode instance holds, fed by
+the workers' kv_blocks streams (router.follow). Scorers rate each live instance (KV overlap,
+load; router.scorers), their weighted sum decides, and ties go to the least loaded, then in turn.
+With an empty index (just started, nothing cached yet) the overlap is 0 everywhere and load
+decides. Policy "round_robin" skips all of it (Dynamo's round robin: the baseline).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import sys
-from typing import Any, AsyncIterator
+from collections import Counter
+from typing import Any, AsyncIterator, Mapping
 
+import msgspec
+
+from mmhandoff.router.index import KvIndex
+from mmhandoff.router.scorers import Candidates
+from mmhandoff.router.scorers.load import LoadScorer
+from mmhandoff.router.scorers.overlap import OverlapScorer
 from mmhandoff.serving.runtime import RemoteError, call, error_envelope
+from mmhandoff.wire.handoff import HandoffError, decode_handoff
+
+SCORERS = {s.name: s for s in (OverlapScorer(), LoadScorer())}
+DEFAULT_WEIGHTS = {"overlap": 1.0, "load": 0.1}
+POLICIES = ("kv", "round_robin")
+SYNC_WAIT_S = 10.0  # at start, how long the router waits for the workers' snapshots
 
 
 class Router:
-    def __init__(self, decode) -> None:
+    def __init__(self, decode, *, policy: str = "kv", hasher=None, index: KvIndex | None = None,
+                 weights: Mapping[str, float] = DEFAULT_WEIGHTS) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+        unknown = set(weights) - set(SCORERS)
+        if unknown:
+            raise ValueError(f"unknown scorers {sorted(unknown)}; known: {sorted(SCORERS)}")
         self.decode = decode  # Dynamo client of decode.generate
+        self.policy = policy
+        self.hasher = hasher  # BlockHasher with the engines' settings (policy "kv")
+        self.index = index if index is not None else KvIndex()
+        self.weights = {name: w for name, w in weights.items() if w}
+        self.in_flight: Counter[int] = Counter()
+        self._turn = 0
+        self.decisions: Counter[str] = Counter()  # by reason: for metrics and tests
 
-    def pick(self, handoff: dict) -> int | None:
-        """The decode instance for this handoff; None = let Dynamo round-robin."""
-        return None
+    def pick(self, handoff: dict) -> tuple[int | None, str]:
+        """(decode instance, reason) for this handoff; instance None = Dynamo's round robin."""
+        live = sorted(self.decode.instance_ids())
+        if self.policy == "round_robin" or len(live) < 2:
+            return None, "round_robin"
+        try:
+            h = decode_handoff(msgspec.msgpack.encode(handoff))
+        except HandoffError:  # decode refuses it with the typed error; any replica will do
+            return None, "unparsed"
+        hashes = self.hasher.of_handoff(h)
+        c = Candidates(live, self.index.overlap(hashes), len(hashes), dict(self.in_flight))
+        total = dict.fromkeys(live, 0.0)
+        for name, weight in self.weights.items():
+            for instance, score in SCORERS[name].score(c).items():
+                total[instance] += weight * score
+        best = max(total.values())
+        tied = [i for i in live if math.isclose(total[i], best)]
+        fewest = min(self.in_flight[i] for i in tied)
+        tied = [i for i in tied if self.in_flight[i] == fewest]
+        choice = tied[self._turn % len(tied)]
+        self._turn += 1
+        return choice, ("overlap" if c.overlap.get(choice, 0) else "load")
 
     async def handle(self, handoff: dict) -> AsyncIterator[dict[str, Any]]:
+        instance, reason = self.pick(handoff)
+        self.decisions[reason] += 1
+        if instance is not None:
+            self.in_flight[instance] += 1
         try:
-            async for chunk in call(self.decode, handoff, self.pick(handoff),
-                                    lost="decode_failed"):
+            async for chunk in call(self.decode, handoff, instance, lost="decode_failed"):
                 yield chunk
         except RemoteError as e:  # decode's typed error goes back to the caller as it came
             yield error_envelope(e)
+        finally:
+            if instance is not None:
+                self.in_flight[instance] -= 1
+                if not self.in_flight[instance]:
+                    del self.in_flight[instance]
+
+
+def _weights(text: str) -> dict[str, float]:
+    """"overlap=1,load=0.1" -> {"overlap": 1.0, "load": 0.1}"""
+    import argparse
+
+    try:
+        pairs = (item.split("=", 1) for item in text.split(",") if item)
+        return {name.strip(): float(value) for name, value in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=WEIGHT,..., got {text!r}") from None
 
 
 ENDPOINT = "router.generate"
@@ -48,13 +116,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", default="decode.generate",
                    help="the decode endpoint it routes to (serve wires it from the graph)")
     p.add_argument("--wait-s", type=float, default=600, help="how long to wait for decode")
+    p.add_argument("--policy", choices=POLICIES, default="kv",
+                   help="kv: the replica holding most of the request's blocks (default); "
+                        "round_robin: Dynamo's, the baseline")
+    p.add_argument("--weights", type=_weights, default=DEFAULT_WEIGHTS,
+                   help=f"scorer weights, e.g. overlap=1,load=0.1 (scorers: {sorted(SCORERS)})")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="the decode engines' KV block size (EngineSpec's default: 32)")
+    p.add_argument("--block-hash-seed", type=int, default=0,
+                   help="the engines' block-hash seed (EngineSpec.block_hash_seed)")
     args = p.parse_args(argv)
 
     async def run() -> int:
+        from mmhandoff.router.follow import Follower
+        from mmhandoff.serving.block_feed import ENDPOINT as KV_BLOCKS
+        from mmhandoff.vllm_adapter.block_hashes import BlockHasher
+
         start_not_ready()
         rt = runtime(asyncio.get_running_loop())
         decode = await client(rt, f"{args.namespace}.{args.decode}", args.wait_s)
-        served = serve(rt, f"{args.namespace}.{ENDPOINT}", Router(decode).handle, ())
+        router = Router(decode, policy=args.policy, weights=args.weights,
+                        hasher=BlockHasher(args.block_size, seed=args.block_hash_seed))
+        component = args.decode.rsplit(".", 1)[0]
+        feeds = await rt.endpoint(f"{args.namespace}.{component}.{KV_BLOCKS}").client()
+        follow = None
+        if args.policy == "kv":
+            follower = Follower(feeds, router.index, args.block_size)
+            follow = asyncio.ensure_future(follower.run())
+            if not await follower.ready(SYNC_WAIT_S):
+                print(f"[router] not every decode instance's blocks arrived in {SYNC_WAIT_S:g} "
+                      f"s; routing by load until they do", file=sys.stderr, flush=True)
+        served = serve(rt, f"{args.namespace}.{ENDPOINT}", router.handle, ())
         rt.set_health_status(True)
         print(f"[{args.namespace}.{ENDPOINT}] ready", file=sys.stderr, flush=True)
         stop = asyncio.Event()
@@ -62,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
         rt.set_health_status(False)
+        if follow is not None:
+            follow.cancel()
         rt.shutdown()
         await asyncio.wait([served], timeout=30)
         return 0

@@ -92,7 +92,7 @@ def _ip(value: str) -> str:
         raise argparse.ArgumentTypeError(f"not an IP address: {value!r}") from None
 
 
-def engine_spec(args: argparse.Namespace, role: str):
+def engine_spec(args: argparse.Namespace, role: str, kv_events_endpoint: str | None = None):
     """The EngineSpec a component's command line asks for."""
     from mmhandoff.models.tiny import ensure_tiny_model
     from mmhandoff.vllm_adapter import EngineSpec
@@ -100,7 +100,7 @@ def engine_spec(args: argparse.Namespace, role: str):
     return EngineSpec(model=args.model or str(ensure_tiny_model()), role=role,
                       cpu_cores=args.cpu_cores, nixl_port=args.nixl_port,
                       nixl_host=args.nixl_host, kv_lease_s=args.kv_lease_s,
-                      extra=dict(args.engine_arg))
+                      kv_events_endpoint=kv_events_endpoint, extra=dict(args.engine_arg))
 
 
 def run(role: str, spec_role: str | Callable, endpoint: str, make_handler: Callable,
@@ -119,13 +119,15 @@ def run(role: str, spec_role: str | Callable, endpoint: str, make_handler: Calla
 
 
 async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
+    from mmhandoff.serving import block_feed
     from mmhandoff.serving.health import ENGINE_DEAD, start_not_ready, watch_engine
     from mmhandoff.serving.runtime import runtime, serve
     from mmhandoff.serving.load_metrics import publish_engine_load
     from mmhandoff.serving.registration import LOST_AFTER_S, lost_registration
     from mmhandoff.vllm_adapter import EngineLoad, start_engine
 
-    spec = engine_spec(args, spec_role(args) if callable(spec_role) else spec_role)
+    events = block_feed.events_endpoint()
+    spec = engine_spec(args, spec_role(args) if callable(spec_role) else spec_role, events)
     args.handoff_keys = handoff_keys(args)  # before the engine starts: a bad key fails at once
     start_not_ready()
     load = EngineLoad()
@@ -134,6 +136,9 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
                  request_plane=args.request_plane)
     path = f"{args.namespace}.{endpoint}"
     publish_engine_load(rt.endpoint(path), load)
+    # the blocks the engine holds, for routers (started before requests can come)
+    feed, subscriber, _ = block_feed.start_feed(
+        rt, path.rsplit(".", 1)[0], events, spec.extra.get("block_size", spec.block_size))
     served = serve(rt, path, make_handler(engine, args), errors)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -156,6 +161,7 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
               f"lease ended while etcd was away?): exiting", file=sys.stderr, flush=True)
         code = 1
     rt.set_health_status(False)
+    feed.close()  # routers' streams end now: they are not requests to wait for
     rt.shutdown()  # stops accepting; graceful endpoints let in-flight requests finish
     if code == 0:
         try:
@@ -164,5 +170,6 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
             pass
     for task in (stopped, watch, served, lost):
         task.cancel()
+    subscriber.close()
     engine.shutdown()
     return code

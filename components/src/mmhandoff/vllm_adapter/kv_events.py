@@ -1,14 +1,17 @@
-"""A subscriber for an engine's KV events (vLLM's ZMQ publisher), collecting the blocks it stores.
+"""A subscriber for an engine's KV events (vLLM's ZMQ publisher): collects the blocks it stores,
+or hands each batch of events to a callback.
 
 The events are vLLM's own wire format, hence this module's place in the adapter. The engine binds
-(`tcp://*:PORT` in its kv_events_config); this side connects. The router will build its index
-from the same stream (`feed`); tests use it to compare block hashes between engines.
+(`tcp://*:PORT` or `ipc://...` in its kv_events_config); this side connects. A worker turns them
+into its `kv_blocks` stream for routers (`changes`, mmhandoff.serving.block_feed); tests use the
+collected blocks to compare block hashes between engines.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import msgspec
 import zmq
@@ -23,7 +26,11 @@ class StoredBlock:
 
 
 class KVEventSubscriber:
-    def __init__(self, endpoint: str, topic: str = "kv-events") -> None:
+    """With `on_events`, each batch's events go to it (from the subscriber's thread) and nothing
+    is kept; without, every event is kept for `events()` and `stored()` (tests)."""
+
+    def __init__(self, endpoint: str, topic: str = "kv-events", *,
+                 on_events: Callable[[list], None] | None = None) -> None:
         from vllm.distributed.kv_events import KVEventBatch  # wire type owned by vLLM
 
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
@@ -32,6 +39,7 @@ class KVEventSubscriber:
         self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sock.setsockopt(zmq.RCVTIMEO, 100)
         self._sock.connect(endpoint)
+        self._on_events = on_events
         self._lock = threading.Lock()
         self._stored: list[StoredBlock] = []
         self._events: list = []  # every event, in order (vLLM's types)
@@ -46,6 +54,9 @@ class KVEventSubscriber:
             except zmq.Again:
                 continue
             batch = self._decoder.decode(payload)
+            if self._on_events is not None:
+                self._on_events(batch.events)
+                continue
             with self._lock:
                 self._events.extend(batch.events)
                 for event in batch.events:
@@ -74,14 +85,21 @@ class KVEventSubscriber:
         self._sock.close(linger=0)
 
 
-def feed(index, instance: int, events) -> None:
-    """vLLM's KV events, applied in order to a router index (mmhandoff.router.index.KvIndex) as
-    the blocks `instance` holds."""
+def changes(events) -> Iterator[tuple[str, list]]:
+    """vLLM's KV events as (kind, block hashes) in order: "stored", "removed", or "cleared"
+    (every block gone; no hashes). Other events (none today) are skipped."""
     for event in events:
         kind = type(event).__name__
         if kind == "BlockStored":
-            index.stored(instance, event.block_hashes)
+            yield "stored", list(event.block_hashes)
         elif kind == "BlockRemoved":
-            index.removed(instance, event.block_hashes)
+            yield "removed", list(event.block_hashes)
         elif kind == "AllBlocksCleared":
-            index.cleared(instance)
+            yield "cleared", []
+
+
+def feed(index, instance: int, events) -> None:
+    """vLLM's KV events, applied in order to a router index (mmhandoff.router.index.KvIndex) as
+    the blocks `instance` holds."""
+    for kind, hashes in changes(events):
+        index.apply(instance, kind, hashes)

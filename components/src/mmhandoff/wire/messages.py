@@ -141,3 +141,14 @@ class ErrorEnvelope(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     into the text of a ValueError)."""
 
     error: RemoteFault
+
+
+class KvBlocks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One item of a worker's `kv_blocks` stream (mmhandoff.serving.block_feed): the first is the
+    whole picture (`snapshot`: every block its engine holds now), each later one a change, in the
+    engine's order: blocks `stored`, blocks `removed`, or every block gone (`cleared`, an engine
+    that reset its prefix cache). Hashes are the engine's own, as its KV events give them."""
+
+    kind: Literal["snapshot", "stored", "removed", "cleared"]
+    hashes: list[int | bytes] = []
+    block_size: int = 0  # in a snapshot: the engine's, which a router must hash with

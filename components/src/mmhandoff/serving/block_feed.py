@@ -1,0 +1,98 @@
+"""A worker's `kv_blocks` endpoint: the blocks its engine holds, for routers.
+
+A stream per caller: first a snapshot of every block the engine holds, then each change in the
+engine's order, from its KV events (vLLM's ZMQ publisher on an abstract-namespace IPC socket: no
+port, no file). A router that starts late or restarts calls again and gets the whole picture from
+the holder of the truth, so nothing has to be replayed from a log, with or without NATS; a worker
+that stops ends its streams, and routers forget its blocks. A caller that falls behind by
+`MAX_BEHIND` changes has its stream ended (it calls again for a fresh snapshot) instead of
+growing this worker's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from typing import AsyncIterator
+
+import msgspec
+
+from mmhandoff.wire.messages import KvBlocks
+
+ENDPOINT = "kv_blocks"
+MAX_BEHIND = 10_000
+
+
+def events_endpoint() -> str:
+    """Where this worker's engine publishes its KV events (bound by the engine core)."""
+    return f"ipc://@mmhandoff-kv-events-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class BlockFeed:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._held: set = set()
+        self._queues: set[asyncio.Queue] = set()
+        self._closed = False
+
+    def apply(self, changes) -> None:
+        """(kind, hashes) changes in order (vllm_adapter.kv_events.changes); on the loop."""
+        for kind, hashes in changes:
+            if kind == "cleared":
+                self._held.clear()
+            elif kind == "stored":
+                self._held.update(hashes)
+            else:
+                self._held.difference_update(hashes)
+            item = msgspec.to_builtins(KvBlocks(kind=kind, hashes=hashes))
+            for q in list(self._queues):
+                if q.qsize() >= MAX_BEHIND:
+                    self._queues.discard(q)
+                    q.put_nowait(None)  # the caller catches up with a new snapshot
+                else:
+                    q.put_nowait(item)
+
+    def held(self) -> int:
+        return len(self._held)
+
+    async def handle(self, _request) -> AsyncIterator[dict]:
+        q: asyncio.Queue = asyncio.Queue()
+        if self._closed:
+            return
+        self._queues.add(q)
+        try:
+            yield msgspec.to_builtins(KvBlocks(kind="snapshot", hashes=list(self._held),
+                                               block_size=self.block_size))
+            while (item := await q.get()) is not None:
+                yield item
+        finally:
+            self._queues.discard(q)
+
+    def close(self) -> None:
+        """End every stream (the worker is stopping: in-flight streams must not hold it up)."""
+        self._closed = True
+        for q in self._queues:
+            q.put_nowait(None)
+        self._queues.clear()
+
+
+def start_feed(rt, component_path: str, endpoint: str, block_size: int):
+    """Serve `<component_path>.kv_blocks` from the engine's events at `endpoint`; returns
+    (feed, subscriber, serving future). Close the feed, then the subscriber, on stop."""
+    from mmhandoff.serving.runtime import serve
+    from mmhandoff.vllm_adapter.kv_events import KVEventSubscriber, changes
+
+    loop = asyncio.get_running_loop()
+    feed = BlockFeed(block_size)
+
+    def on_events(events) -> None:  # the subscriber's thread
+        batch = list(changes(events))
+        try:
+            loop.call_soon_threadsafe(feed.apply, batch)
+        except RuntimeError:  # the loop has closed: the worker is gone
+            pass
+
+    subscriber = KVEventSubscriber(endpoint, on_events=on_events)
+    served = serve(rt, f"{component_path}.{ENDPOINT}", feed.handle, ())
+    return feed, subscriber, served

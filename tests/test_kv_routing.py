@@ -1,0 +1,123 @@
+"""The KV-aware router on the served graph (disagg_router: one prefill, two decode replicas).
+
+A seeded multi-turn trace in which every image comes back (a second conversation about it, and
+follow-up turns): for each request whose image was seen before, how much of the image's KV the
+chosen decode replica already held, read from the engine's own counter (each answer's
+`mmhandoff.kv_tokens_local`: vLLM's count of prompt tokens found in decode's prefix cache), for
+the KV policy against round robin in the same test. The answers of both runs must be equal (the
+route changes where KV comes from, never the answer). Mid-trace the router is killed (-9): serve
+restarts it (one of two router replicas), it rebuilds its index from the workers' snapshots, and
+the hit rate holds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import data_uri, encode, make_image
+from tests.graph_runner import Graph
+from tests.test_graphs import MODEL, _client, _disagg_router, _restarted
+
+pytestmark = pytest.mark.graph
+
+IMAGES, CONVERSATIONS, TURNS = 6, 12, 2  # conversation c is about image c % IMAGES
+BLOCK = 32  # the engines' KV block size (EngineSpec's default; the YAML's router agrees)
+SIZE = (64, 48)
+
+
+def _trace(seed: int) -> list[tuple[int, int]]:
+    """(conversation, turn) in a seeded interleaving; each conversation's turns in order."""
+    rng = random.Random(seed)
+    left = {c: 0 for c in range(CONVERSATIONS)}
+    order = []
+    while left:
+        c = rng.choice(sorted(left))
+        order.append((c, left[c]))
+        left[c] += 1
+        if left[c] == TURNS:
+            del left[c]
+    return order
+
+
+@pytest.fixture(scope="module")
+def image_tokens(tiny_model) -> int:
+    """The prompt tokens up to the last full block that ends inside the image span, computed
+    independently of mmhandoff (transformers' processor and chat template): the part of a
+    repeated image's KV any replica could have cached, whatever question follows it."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(tiny_model)
+    text = proc.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "Question 0?"}]}], add_generation_prompt=True)
+    ids = proc(text=text, images=[Image.new("RGB", SIZE)])["input_ids"][0]
+    image_id = proc.tokenizer.convert_tokens_to_ids("<image>")
+    end = max(i for i, t in enumerate(list(ids)) if t == image_id) + 1
+    assert end >= BLOCK
+    return end // BLOCK * BLOCK
+
+
+def _run(graph: Graph, trace, kill_router_at: int | None = None):
+    """Answers (in trace order) and, for each request about an image seen before, the share of
+    the image's cacheable tokens found on the chosen replica."""
+    client = _client(graph.url)
+    uris = [data_uri(encode(make_image(*SIZE, 500 + i))) for i in range(IMAGES)]
+    history: dict[int, list[dict]] = {}
+    seen: set[int] = set()
+    answers, found = [], []
+    for n, (c, turn) in enumerate(trace):
+        if n == kill_router_at:
+            os.kill(graph.replica_pids()["router-0"], signal.SIGKILL)
+            _restarted(graph, "router-0")
+        if turn == 0:
+            history[c] = [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": uris[c % IMAGES]}},
+                {"type": "text", "text": f"Question {c}?"}]}]
+        else:
+            history[c].append({"role": "user", "content": "Tell me more."})
+        r = client.chat.completions.create(model=MODEL, messages=history[c], max_tokens=8,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        text = r.choices[0].message.content
+        history[c].append({"role": "assistant", "content": text})
+        answers.append(text)
+        stats = r.model_extra["mmhandoff"]
+        if c % IMAGES in seen:
+            found.append((n, stats["kv_tokens_local"]))
+        seen.add(c % IMAGES)
+    return answers, found
+
+
+def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_tokens):
+    trace = _trace(13)
+    half = len(trace) // 2
+    results = {}
+    for policy in ("round_robin", "kv"):
+        config = _disagg_router(tmp_path, policy)
+        if policy == "kv":  # two routers: the graph answers while one is killed and restarted
+            spec = yaml.safe_load(Path(config).read_text())
+            spec["components"]["router"]["replicas"] = 2
+            Path(config).write_text(yaml.safe_dump(spec))
+        graph = Graph("graphs.disagg_router:Frontend", config, tmp_path)
+        with graph.failing_loudly():
+            results[policy] = _run(graph, trace, kill_router_at=half if policy == "kv" else None)
+            graph.stop()
+    rr_answers, rr_found = results["round_robin"]
+    kv_answers, kv_found = results["kv"]
+    assert kv_answers == rr_answers
+
+    def rate(found):
+        return sum(min(local, image_tokens) for _, local in found) / (image_tokens * len(found))
+
+    after_restart = [(n, local) for n, local in kv_found if n > half]
+    print(f"repeated-image KV found on the chosen replica: kv {rate(kv_found):.0%} "
+          f"({rate(after_restart):.0%} after the router's restart), round robin "
+          f"{rate(rr_found):.0%}; {len(kv_found)} requests")
+    assert len(kv_found) == len(rr_found) >= 12
+    assert rate(kv_found) >= 0.9 and rate(after_restart) >= 0.9
+    assert rate(rr_found) <= 0.75

@@ -1,0 +1,244 @@
+"""The KV-aware router's parts without engines: the scorers' formulas, the choice (router.pick),
+the workers' block feed (serving.block_feed) and the router's follower of it (router.follow)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from mmhandoff.router.follow import Follower
+from mmhandoff.router.index import KvIndex
+from mmhandoff.router.router import Router
+from mmhandoff.router.scorers import Candidates
+from mmhandoff.router.scorers.load import LoadScorer
+from mmhandoff.router.scorers.overlap import OverlapScorer
+from mmhandoff.serving import block_feed
+from mmhandoff.serving.block_feed import BlockFeed
+from mmhandoff.wire.handoff import Features, Handoff, Sampling, Span
+from mmhandoff.wire.messages import KvBlocks
+
+pytestmark = pytest.mark.unit
+
+BLOCK = 4
+
+
+def test_overlap_score_is_the_share_of_the_prompts_blocks_held():
+    c = Candidates([1, 2, 3], overlap={1: 3, 2: 1}, blocks=4)
+    assert OverlapScorer().score(c) == {1: 0.75, 2: 0.25, 3: 0.0}
+    assert OverlapScorer().score(Candidates([1, 2], blocks=0)) == {1: 0.0, 2: 0.0}
+
+
+def test_load_score_prefers_the_idle_and_never_rules_one_out():
+    c = Candidates([1, 2, 3], in_flight={1: 3, 2: 1})
+    assert LoadScorer().score(c) == {1: 1 - 3 / 4, 2: 1 - 1 / 4, 3: 1.0}
+    assert LoadScorer().score(Candidates([1, 2])) == {1: 1.0, 2: 1.0}
+
+
+class _Instances:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def instance_ids(self):
+        return list(self.ids)
+
+
+def _handoff(tokens: list[int], image: str | None = "img-a") -> dict:
+    spans = {"image": [Span(offset=2, length=8)]} if image else {}
+    h = Handoff(v=1, request_id="r", model_fingerprint="f", token_ids=tokens,
+                features=Features(mm_hashes={"image": [image]} if image else {},
+                                  mm_placeholders=spans),
+                requires_kv=True, kv_transfer_params={}, sampling=Sampling())
+    return msgspec.to_builtins(h)
+
+
+@pytest.fixture(scope="module")
+def hasher():
+    from mmhandoff.vllm_adapter.block_hashes import BlockHasher
+
+    return BlockHasher(BLOCK)
+
+
+def _router(hasher, ids=(10, 20, 30), **kw) -> Router:
+    return Router(_Instances(ids), hasher=hasher, **kw)
+
+
+def _blocks(router, handoff: dict) -> list:
+    return router.hasher.of_handoff(msgspec.convert(handoff, Handoff))
+
+
+def test_the_replica_holding_the_longest_prefix_wins(hasher):
+    r = _router(hasher)
+    h = _handoff(list(range(100, 121)))  # 21 tokens: 5 full blocks
+    blocks = _blocks(r, h)
+    r.index.stored(20, blocks[:2])
+    r.index.stored(30, blocks[:4])
+    assert r.pick(h) == (30, "overlap")
+    r.index.stored(10, blocks)
+    assert r.pick(h) == (10, "overlap")
+
+
+def test_the_same_tokens_with_another_image_are_other_blocks(hasher):
+    r = _router(hasher)
+    h = _handoff(list(range(100, 121)))
+    r.index.stored(30, _blocks(r, h))
+    other = _handoff(list(range(100, 121)), image="img-b")  # the image starts in block 0
+    assert r.index.overlap(_blocks(r, other))[30] == 0
+    assert r.pick(other)[1] == "load"
+
+
+def test_with_nothing_held_load_decides_then_turns(hasher):
+    r = _router(hasher)
+    h = _handoff(list(range(50, 70)))
+    r.in_flight.update({10: 2, 20: 1})
+    assert r.pick(h) == (30, "load")
+    r.in_flight[30] = 1
+    picks = [r.pick(h)[0] for _ in range(4)]  # 20 and 30 tie: they take turns
+    assert sorted(picks) == [20, 20, 30, 30]
+
+
+def test_load_breaks_a_tie_in_overlap(hasher):
+    r = _router(hasher)
+    h = _handoff(list(range(100, 121)))
+    for instance in (10, 20):
+        r.index.stored(instance, _blocks(r, h))
+    r.in_flight[10] = 3
+    assert r.pick(h) == (20, "overlap")
+
+
+def test_round_robin_policy_one_replica_and_an_unreadable_handoff_leave_it_to_dynamo(hasher):
+    assert _router(hasher, policy="round_robin").pick(_handoff([1] * 9)) == (None, "round_robin")
+    assert _router(hasher, ids=(10,)).pick(_handoff([1] * 9)) == (None, "round_robin")
+    assert _router(hasher).pick({"v": 1, "token_ids": "x"}) == (None, "unparsed")
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="policy"):
+        Router(_Instances([1]), policy="fastest")
+    with pytest.raises(ValueError, match="scorers"):
+        Router(_Instances([1]), weights={"overlap": 1, "luck": 1})
+
+
+def _drain(loop, agen, n):
+    async def take():
+        return [await anext(agen) for _ in range(n)]
+
+    return loop.run_until_complete(take())
+
+
+def test_a_feed_gives_a_snapshot_then_each_change_in_order():
+    loop = asyncio.new_event_loop()
+    try:
+        feed = BlockFeed(block_size=32)
+        feed.apply([("stored", [1, 2, 3])])
+        early = feed.handle({})
+        (snap,) = _drain(loop, early, 1)
+        assert snap == {"kind": "snapshot", "hashes": [1, 2, 3], "block_size": 32}
+        feed.apply([("removed", [2]), ("stored", [4]), ("cleared", []), ("stored", [5])])
+        kinds = [(i["kind"], i["hashes"]) for i in _drain(loop, early, 4)]
+        assert kinds == [("removed", [2]), ("stored", [4]), ("cleared", []), ("stored", [5])]
+        late = feed.handle({})
+        assert _drain(loop, late, 1)[0]["hashes"] == [5]  # a late caller gets the state now
+        feed.close()  # a stopping worker ends every stream
+        for stream in (early, late):
+            with pytest.raises(StopAsyncIteration):
+                _drain(loop, stream, 1)
+    finally:
+        loop.close()
+
+
+def test_a_caller_that_falls_behind_is_cut_off_not_buffered(monkeypatch):
+    monkeypatch.setattr(block_feed, "MAX_BEHIND", 3)
+    loop = asyncio.new_event_loop()
+    try:
+        feed = BlockFeed(block_size=32)
+        slow = feed.handle({})
+        _drain(loop, slow, 1)
+        for i in range(5):
+            feed.apply([("stored", [i])])
+        assert len(_drain(loop, slow, 3)) == 3
+        with pytest.raises(StopAsyncIteration):  # it calls again for a fresh snapshot
+            _drain(loop, slow, 1)
+    finally:
+        loop.close()
+
+
+class _Annotated:
+    def __init__(self, item):
+        self.item = item
+
+    def data(self):
+        return self.item
+
+
+class _Feeds:
+    """A Dynamo client of kv_blocks: each instance's stream is a queue the test fills."""
+
+    def __init__(self):
+        self.live: set[int] = set()
+        self.queues: dict[int, asyncio.Queue] = {}
+        self.calls: list[int] = []
+
+    def instance_ids(self):
+        return sorted(self.live)
+
+    async def direct(self, request, instance_id, context=None):
+        self.calls.append(instance_id)
+        q = self.queues.setdefault(instance_id, asyncio.Queue())
+
+        async def stream():
+            while (item := await q.get()) is not None:
+                yield _Annotated(item)
+
+        return stream()
+
+    def send(self, instance, kind, hashes=(), block_size=0):
+        self.queues.setdefault(instance, asyncio.Queue()).put_nowait(
+            msgspec.to_builtins(KvBlocks(kind=kind, hashes=list(hashes), block_size=block_size)))
+
+
+def test_the_follower_mirrors_each_instance_and_resyncs_after_a_broken_stream():
+    async def scenario():
+        feeds, index = _Feeds(), KvIndex()
+        f = Follower(feeds, index, block_size=32)
+
+        async def settle():
+            for _ in range(20):
+                await asyncio.sleep(0)
+
+        feeds.live = {1, 2}
+        feeds.send(1, "snapshot", [11, 12], 32)
+        feeds.send(2, "snapshot", [21], 32)
+        f.sync(feeds.live)
+        await settle()
+        assert index.overlap([11, 12]) == {1: 2, 2: 0}
+        feeds.send(2, "stored", [11])
+        feeds.send(1, "removed", [12])
+        await settle()
+        assert index.overlap([11, 12]) == {1: 1, 2: 1}
+
+        feeds.queues[1].put_nowait(None)  # instance 1's stream ends (it fell behind)
+        await settle()
+        assert 1 not in index.instances()
+        feeds.send(1, "snapshot", [11, 12, 13], 32)
+        f.sync(feeds.live)  # still in discovery: followed again, from a fresh snapshot
+        await settle()
+        assert index.overlap([11, 12, 13]) == {1: 3, 2: 1} and f.snapshots == 3
+
+        feeds.live = {1}  # instance 2 left discovery
+        f.sync(feeds.live)
+        await settle()
+        assert index.instances() == {1}
+
+        feeds.live = {1, 3}
+        feeds.send(3, "snapshot", [11], 64)  # hashes another block size: never indexed
+        f.sync(feeds.live)
+        await settle()
+        f.sync(feeds.live)
+        await settle()
+        assert index.instances() == {1} and feeds.calls.count(3) == 1
+        f.sync(set())
+        await settle()
+
+    asyncio.run(scenario())
