@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -96,7 +98,7 @@ def _run(graph: Graph, trace, kill_router_at: int | None = None):
 def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_tokens):
     trace = _trace(13)
     half = len(trace) // 2
-    results = {}
+    results, metrics = {}, {}
     for policy in ("round_robin", "kv"):
         config = _disagg_router(tmp_path, policy)
         if policy == "kv":  # two routers: the graph answers while one is killed and restarted
@@ -106,6 +108,7 @@ def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_
         graph = Graph("graphs.disagg_router:Frontend", config, tmp_path)
         with graph.failing_loudly():
             results[policy] = _run(graph, trace, kill_router_at=half if policy == "kv" else None)
+            metrics[policy] = _router_metrics(graph)
             graph.stop()
     rr_answers, rr_found = results["round_robin"]
     kv_answers, kv_found = results["kv"]
@@ -121,3 +124,23 @@ def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_
     assert len(kv_found) == len(rr_found) >= 12
     assert rate(kv_found) >= 0.9 and rate(after_restart) >= 0.9
     assert rate(rr_found) <= 0.75
+    # the routers' own account (/metrics): every decode instance indexed by each router, and
+    # decisions by overlap; round robin decides nothing itself
+    kv, rr = metrics["kv"], metrics["round_robin"]
+    assert kv['mmhandoff_router_index_instances'] == 2 * 2  # two routers, two decode each
+    assert kv['mmhandoff_router_decisions_total{reason="overlap"}'] >= 1
+    assert 0 < kv["mmhandoff_router_overlap_blocks_total"] <= kv["mmhandoff_router_blocks_total"]
+    assert rr['mmhandoff_router_decisions_total{reason="round_robin"}'] == len(trace)
+
+
+def _router_metrics(graph: Graph) -> Counter:
+    """The mmhandoff_router_* samples of every router replica, summed."""
+    out: Counter = Counter()
+    for name, url in graph.health_urls().items():
+        if name.startswith("router"):
+            with urllib.request.urlopen(url.replace("/health", "/metrics"), timeout=10) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith("mmhandoff_router_"):
+                        key, value = line.rsplit(" ", 1)
+                        out[key] += float(value)
+    return out

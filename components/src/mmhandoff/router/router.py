@@ -15,6 +15,7 @@ import asyncio
 import math
 import signal
 import sys
+import time
 from collections import Counter
 from typing import Any, AsyncIterator, Mapping
 
@@ -48,7 +49,9 @@ class Router:
         self.weights = {name: w for name, w in weights.items() if w}
         self.in_flight: Counter[int] = Counter()
         self._turn = 0
-        self.decisions: Counter[str] = Counter()  # by reason: for metrics and tests
+        self.decisions: Counter[str] = Counter()  # by reason (router.metrics)
+        self.blocks_total = self.overlap_total = 0  # the prompts' blocks; the chosen held
+        self.decision_s_total = 0.0
 
     def pick(self, handoff: dict) -> tuple[int | None, str]:
         """(decode instance, reason) for this handoff; instance None = Dynamo's round robin."""
@@ -71,10 +74,14 @@ class Router:
         tied = [i for i in tied if self.in_flight[i] == fewest]
         choice = tied[self._turn % len(tied)]
         self._turn += 1
+        self.blocks_total += len(hashes)
+        self.overlap_total += c.overlap.get(choice, 0)
         return choice, ("overlap" if c.overlap.get(choice, 0) else "load")
 
     async def handle(self, handoff: dict) -> AsyncIterator[dict[str, Any]]:
+        t0 = time.perf_counter()
         instance, reason = self.pick(handoff)
+        self.decision_s_total += time.perf_counter() - t0
         self.decisions[reason] += 1
         if instance is not None:
             self.in_flight[instance] += 1
@@ -129,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> int:
         from mmhandoff.router.follow import Follower
+        from mmhandoff.router.metrics import publish_router_metrics
         from mmhandoff.serving.block_feed import ENDPOINT as KV_BLOCKS
         from mmhandoff.vllm_adapter.block_hashes import BlockHasher
 
@@ -139,13 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                         hasher=BlockHasher(args.block_size, seed=args.block_hash_seed))
         component = args.decode.rsplit(".", 1)[0]
         feeds = await rt.endpoint(f"{args.namespace}.{component}.{KV_BLOCKS}").client()
-        follow = None
+        follow = follower = None
         if args.policy == "kv":
             follower = Follower(feeds, router.index, args.block_size)
             follow = asyncio.ensure_future(follower.run())
             if not await follower.ready(SYNC_WAIT_S):
                 print(f"[router] not every decode instance's blocks arrived in {SYNC_WAIT_S:g} "
                       f"s; routing by load until they do", file=sys.stderr, flush=True)
+        publish_router_metrics(rt.endpoint(f"{args.namespace}.{ENDPOINT}"), router, follower)
         served = serve(rt, f"{args.namespace}.{ENDPOINT}", router.handle, ())
         rt.set_health_status(True)
         print(f"[{args.namespace}.{ENDPOINT}] ready", file=sys.stderr, flush=True)

@@ -1,0 +1,42 @@
+"""The router's decisions on its Dynamo system status server (`/metrics` at DYN_SYSTEM_PORT):
+what an operator watches to see whether routing finds the KV it should."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class _Collector:
+    def __init__(self, router, follower) -> None:
+        self.router, self.follower = router, follower
+
+    def collect(self):
+        r = self.router
+        decisions = CounterMetricFamily("mmhandoff_router_decisions", "Handoffs routed, by "
+                                        "reason (overlap, load, round_robin, unparsed)",
+                                        labels=["reason"])
+        for reason, n in sorted(r.decisions.items()):
+            decisions.add_metric([reason], n)
+        yield decisions
+        yield CounterMetricFamily("mmhandoff_router_blocks", "Full blocks of the routed prompts",
+                                  value=r.blocks_total)
+        yield CounterMetricFamily("mmhandoff_router_overlap_blocks", "Of those, the blocks the "
+                                  "chosen replica held (by the index)", value=r.overlap_total)
+        yield CounterMetricFamily("mmhandoff_router_decision_seconds", "Time spent deciding "
+                                  "(hashing, lookup, scoring)", value=r.decision_s_total)
+        yield GaugeMetricFamily("mmhandoff_router_index_blocks", "Distinct blocks in the index",
+                                value=len(r.index))
+        yield GaugeMetricFamily("mmhandoff_router_index_instances", "Decode instances indexed",
+                                value=len(r.index.instances()))
+        if self.follower is not None:
+            yield CounterMetricFamily("mmhandoff_router_snapshots", "kv_blocks streams (re)started "
+                                      "from a worker's snapshot", value=self.follower.snapshots)
+
+
+def publish_router_metrics(endpoint, router, follower) -> None:
+    """Append the router's metrics to the /metrics of the runtime that serves `endpoint`."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(router, follower))
+    endpoint.metrics.register_prometheus_expfmt_callback(
+        lambda: generate_latest(registry).decode())
