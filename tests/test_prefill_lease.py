@@ -10,7 +10,7 @@ from vllm import SamplingParams
 from mmhandoff.decode.worker import DecodeWorker, collect
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.messages import PrefillRequest
-from tests.conftest import chat, data_uri, encode, engine_cpu_s, make_image
+from tests.conftest import chat, data_uri, encode, engine_cpu_s, free_port, make_image, start
 from tests.flows import greedy
 
 pytestmark = pytest.mark.engine
@@ -80,3 +80,22 @@ def test_held_blocks_do_not_keep_the_engine_busy(loop, engines):
     tokens, last = loop.run(collect(DecodeWorker(engines.decode).generate(handoff)))
     assert len(tokens) == 4 and last.finish_reason == "length"
     assert used < 0.3, f"prefill's engine used {used:.2f} CPU-s in 0.8 s holding one handoff"
+
+
+def test_a_prefill_engine_holding_unpulled_kv_stops_at_once(loop, tiny_model):
+    """A handoff nobody pulled when the engine stops: vLLM's engine core would keep stepping
+    until the lease ends (a finished request held for its consumer counts as work), past the
+    shutdown's grace, and be force-killed, leaking its shared memory. It ends at once instead;
+    the consumer, had it come, fails closed and retries."""
+    from mmhandoff.vllm_adapter import EngineSpec
+    from mmhandoff.vllm_adapter.vllm_engine import SHUTDOWN_GRACE_S
+
+    engine = start(loop, EngineSpec(model=tiny_model, role="prefill", dtype="float32",
+                                    cpu_cores="0", nixl_port=free_port(), kv_lease_s=120))
+    _handoffs(loop, PrefillWorker(engine), "at-stop", 2)
+    cores = engine.llm.engine_core.resources.engine_manager.processes
+    t0 = time.monotonic()
+    engine.shutdown()
+    took = time.monotonic() - t0
+    assert [p.exitcode for p in cores] == [0] * len(cores), "force-killed"
+    assert took < SHUTDOWN_GRACE_S / 2, took

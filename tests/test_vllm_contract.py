@@ -157,6 +157,10 @@ def test_engine_core_parts_used_by_the_held_kv_plugin():
         EngineCoreProc.__mro__[1].__init__)
     for attr in ("self.input_queue", "self.engines_running", "self.batch_queue"):
         assert attr in init, f"the engine core no longer has {attr}"
+    # at shutdown the core steps while has_work(), and is_running() says whether it stops
+    assert _params(EngineCoreProc.has_work) == ["self"]
+    assert _params(EngineCoreProc.is_running) == ["self"]
+    assert "self.has_work()" in inspect.getsource(EngineCoreProc._handle_shutdown)
     # the case the plugin paces: vLLM counts finished requests with held blocks as work
     assert "has_finished_requests" in inspect.getsource(Scheduler.has_requests) or \
         "has_finished_requests" in inspect.getsource(Scheduler.__mro__[1].has_requests)

@@ -14,6 +14,12 @@ for a consumer), the engine core waits on its input queue for up to `MMHANDOFF_H
 (default 10) instead: a new request or abort ends the wait at once; the blocks of a finished
 pull are freed at most that much later. Steps with requests to compute, including requests
 waiting for their own KV pull, keep vLLM's pacing. Set the variable to `default` to keep vLLM's.
+
+And at shutdown, blocks held for a consumer are not work to wait for: vLLM's engine core keeps
+stepping until it has no work left, so a prefill stopped with a handoff nobody pulled yet kept
+running until the lease ended (30 s), past the shutdown's grace (VllmEngine's 15 s), and was
+force-killed, leaking its shared memory (the graph tests' "unclean stop"). Here it ends at once;
+a consumer that comes later finds the side channel gone and fails closed.
 """
 
 from __future__ import annotations
@@ -49,11 +55,14 @@ def wait_for_input(core, seconds: float) -> None:
 
 
 def install() -> None:
-    """Patch `EngineCoreProc._process_engine_step` in this process (idempotent)."""
+    """Patch `EngineCoreProc._process_engine_step` and `has_work` in this process
+    (idempotent)."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    _stop_without_waiting_for_consumers(EngineCoreProc)
     seconds = poll_seconds()
     if seconds is None:
         return
-    from vllm.v1.engine.core import EngineCoreProc
 
     step = EngineCoreProc._process_engine_step
     if getattr(step, "mmhandoff_poll_s", None) is not None:
@@ -67,3 +76,17 @@ def install() -> None:
 
     process_engine_step.mmhandoff_poll_s = seconds
     EngineCoreProc._process_engine_step = process_engine_step
+
+
+def _stop_without_waiting_for_consumers(cls) -> None:
+    has_work = cls.has_work
+    if getattr(has_work, "mmhandoff_stop", False):
+        return
+
+    def has_work_unless_stopping(self) -> bool:
+        if not self.is_running() and only_held_blocks(self):
+            return False
+        return has_work(self)
+
+    has_work_unless_stopping.mmhandoff_stop = True
+    cls.has_work = has_work_unless_stopping
