@@ -82,12 +82,14 @@ def envelope(code, fault, message="no") -> dict:
 ANSWER = [chunk("Hel", [5]), chunk("lo", [6], "length")]
 
 
-def ask(loop, prefill, decode, retries=1, stream=False, stall_s=30.0, max_tokens=2, **kw):
-    """(status, body); a stream's body is its list of SSE data fields."""
+def ask(loop, prefill, decode, retries=1, stream=False, stall_s=30.0, max_tokens=2, extra=None,
+        **kw):
+    """(status, body); a stream's body is its list of SSE data fields. `extra`: more request
+    fields."""
     runner = Frontend(prefill, decode, MODEL, retries=retries, stall_s=stall_s, **kw).runner()
     url = serve_app(loop, runner)
     body = json.dumps({"model": MODEL, "max_tokens": max_tokens, "stream": stream,
-                       "messages": [{"role": "user", "content": "Hi"}]}).encode()
+                       "messages": [{"role": "user", "content": "Hi"}], **(extra or {})}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     try:
@@ -198,7 +200,8 @@ def test_an_answer_migrates_when_its_decode_replica_is_lost(loop, stream):
     prefill = Scripted([handoff_answer("a")], [handoff_answer("b")])
     decode = Scripted([chunk("Hel", [5]), chunk("l", [6]), LOST],
                       [chunk("o", [7]), chunk("!", [8], "length", prompt_tokens=5)])
-    status, got = ask(loop, prefill, decode, stream=stream, max_tokens=4)
+    status, got = ask(loop, prefill, decode, stream=stream, max_tokens=4,
+                      extra={"stream_options": {"include_usage": True}} if stream else None)
     assert status == 200
     first, again = prefill.requests
     assert "continuation" not in first or first["continuation"] == []
@@ -208,9 +211,10 @@ def test_an_answer_migrates_when_its_decode_replica_is_lost(loop, stream):
     if stream:
         *chunks, done = got
         assert done == "[DONE]"
-        parts = [json.loads(c) for c in chunks]
+        *parts, last = [json.loads(c) for c in chunks]
         assert "".join(p["choices"][0]["delta"].get("content", "") for p in parts) == "Hello!"
-        usage = parts[-1]["usage"]
+        assert last["choices"] == []
+        usage = last["usage"]
     else:
         assert got["choices"][0]["message"]["content"] == "Hello!"
         assert got["mmhandoff"]["migrations"] == 1 and got["mmhandoff"]["retries"] == 0
@@ -225,3 +229,36 @@ def test_migrations_are_bounded(loop):
     assert (status, got["error"]["code"]) == (503, "decode_failed")
     assert len(prefill.requests) == len(decode.requests) == 3
     assert [len(r.get("continuation", [])) for r in prefill.requests] == [0, 1, 2]
+
+
+def _streamed(loop, options):
+    status, got = ask(loop, Scripted([handoff_answer()]), Scripted(ANSWER), stream=True,
+                      extra={"stream_options": options} if options is not None else None)
+    assert status == 200 and got[-1] == "[DONE]"
+    return [json.loads(c) for c in got[:-1]]
+
+
+def test_a_stream_has_usage_only_when_asked_as_openai_and_vllm_send_it(loop):
+    whole = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    for options in (None, {}, {"include_usage": False}):
+        assert all("usage" not in c for c in _streamed(loop, options)), options
+    *content, last = _streamed(loop, {"include_usage": True})
+    assert [c["usage"] for c in content] == [None, None]
+    assert (last["choices"], last["usage"], last["id"]) == ([], whole, content[0]["id"])
+    *content, last = _streamed(loop, {"include_usage": True, "continuous_usage_stats": True})
+    assert [c["usage"]["completion_tokens"] for c in content] == [1, 2]
+    assert content[-1]["usage"] == last["usage"] == whole
+
+
+@pytest.mark.parametrize("fields", [
+    {"stream": False, "stream_options": {"include_usage": True}},  # only with stream
+    {"stream": True, "stream_options": "yes"},
+    {"stream": True, "stream_options": {"include_usage": 1}},
+    {"stream": True, "stream_options": {"continuous_usage_stats": "true"}},
+    {"stream": "true"},
+])
+def test_bad_stream_settings_are_400(loop, fields):
+    prefill = Scripted([handoff_answer()])
+    status, got = ask(loop, prefill, Scripted(ANSWER), extra=fields)
+    assert (status, got["error"]["code"]) == (400, "invalid_request")
+    assert prefill.requests == []  # refused before any work

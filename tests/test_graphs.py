@@ -162,7 +162,7 @@ def _stop_mid_answer(graph: Graph, messages: list[dict], max_tokens: int = 400) 
     client = openai.OpenAI(base_url=graph.url + "/v1", api_key="none", max_retries=0, timeout=120)
     stream = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        extra_body={"ignore_eos": True})
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     first = next(chunks)
     assert first.choices[0].finish_reason is None  # under way when the signal goes
@@ -170,7 +170,7 @@ def _stop_mid_answer(graph: Graph, messages: list[dict], max_tokens: int = 400) 
     rest = list(chunks)
     finals = [c for c in rest if c.choices and c.choices[0].finish_reason]
     assert [c.choices[0].finish_reason for c in finals] == ["length"]
-    assert finals[0].usage.completion_tokens == max_tokens
+    assert not rest[-1].choices and rest[-1].usage.completion_tokens == max_tokens
     graph.wait(expect=0)
     assert any("[serve] stopped" in line for line in graph.log)
 

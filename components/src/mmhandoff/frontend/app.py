@@ -33,7 +33,13 @@ import msgspec
 from aiohttp import web
 
 from mmhandoff.frontend.metrics import FrontendMetrics
-from mmhandoff.frontend.request import ApiError, FrontendLimits, RequestReader
+from mmhandoff.frontend.request import (
+    ApiError,
+    FrontendLimits,
+    RequestReader,
+    StreamOptions,
+    stream_options,
+)
 from mmhandoff.media.fetch import FetchPolicy
 from mmhandoff.serving.runtime import RemoteError, background, call, call_one
 from mmhandoff.wire.messages import (
@@ -59,7 +65,8 @@ STALL_S = 120.0  # the longest a worker may stay silent before its request count
 
 @dataclass
 class Piece:
-    """One streamed piece of an answer; the last one has `finish`, `usage` and `stats`."""
+    """One streamed piece of an answer: its usage so far (where prefill said the prompt's
+    length); the last one has `finish`, the final `usage` and `stats`."""
 
     text: str
     finish: str | None = None
@@ -148,12 +155,14 @@ class Frontend:
             body = msgspec.json.decode(await request.read())
         except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
             raise ApiError(400, "request body is not valid JSON", "invalid_json") from None
+        options = stream_options(body)  # before read() fetches any image
         prefill_request = await read(body)
         self.metrics.in_flight.inc()
         try:
             async with aclosing(self._answer(prefill_request, t0)) as pieces:
-                if body.get("stream"):
-                    return await self._stream(request, api, prefill_request.request_id, pieces)
+                if options.stream:
+                    return await self._stream(request, api, prefill_request.request_id, pieces,
+                                              options)
                 text, last = "", Piece("")
                 async for last in pieces:
                     text += last.text
@@ -166,7 +175,8 @@ class Frontend:
         finally:
             self.metrics.in_flight.dec()
 
-    async def _stream(self, request, api, request_id, pieces) -> web.StreamResponse:
+    async def _stream(self, request, api, request_id, pieces,
+                      options: StreamOptions) -> web.StreamResponse:
         first = await anext(pieces)  # errors before the first token still get a 4xx/5xx
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache",
@@ -178,9 +188,13 @@ class Frontend:
             await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
 
         try:
-            await send(_chunk(api, request_id, self.model, created, first))
-            async for piece in pieces:
-                await send(_chunk(api, request_id, self.model, created, piece))
+            last = first
+            await send(_chunk(api, request_id, self.model, created, first, options))
+            async for last in pieces:
+                await send(_chunk(api, request_id, self.model, created, last, options))
+            if options.include_usage:  # OpenAI's last chunk: no choice, the whole usage
+                await send({**_chunk(api, request_id, self.model, created, last, options),
+                            "choices": [], "usage": last.usage})
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:  # the status is sent: the stream says it failed, and no [DONE]
@@ -212,6 +226,10 @@ class Frontend:
                         last_t = now
                         generated += chunk.token_ids
                         piece = Piece(chunk.text, chunk.finish_reason)
+                        if not chunk.finish_reason and prefill_stats is not None:
+                            # the usage so far (a stream's continuous_usage_stats)
+                            piece.usage = _usage(prefill_stats.prompt_tokens
+                                                 - len(request.continuation), len(generated))
                         if piece.finish:
                             stats = chunk.stats or DecodeStats(request_bytes=-1, prepare_ms=-1)
                             self.metrics.record_decode(stats)
@@ -219,10 +237,8 @@ class Frontend:
                                 **msgspec.structs.asdict(stats), prefill=prefill_stats,
                                 retries=retries, migrations=migrations)
                             # decode's prompt includes the continuation: the client's does not
-                            prompt = stats.prompt_tokens - len(request.continuation)
-                            piece.usage = {"prompt_tokens": prompt,
-                                           "completion_tokens": len(generated),
-                                           "total_tokens": prompt + len(generated)}
+                            piece.usage = _usage(stats.prompt_tokens - len(request.continuation),
+                                                 len(generated))
                         yield piece
                 return
             except RemoteError as e:
@@ -307,6 +323,11 @@ def _decode_chunk(raw) -> DecodeChunk:
 
 
 # ---- OpenAI response shapes ------------------------------------------------------------------
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
 def _whole(api: str, request_id: str, model: str, text: str, last: Piece) -> dict:
     choice = ({"index": 0, "finish_reason": last.finish,
                "message": {"role": "assistant", "content": text}} if api == "chat" else
@@ -317,7 +338,8 @@ def _whole(api: str, request_id: str, model: str, text: str, last: Piece) -> dic
             "mmhandoff": msgspec.to_builtins(last.stats) if last.stats is not None else None}
 
 
-def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece) -> dict:
+def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece,
+           options: StreamOptions) -> dict:
     if api == "chat":
         choice = {"index": 0, "delta": {"content": piece.text} if piece.text else {},
                   "finish_reason": piece.finish}
@@ -325,8 +347,8 @@ def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece) ->
         choice = {"index": 0, "text": piece.text, "finish_reason": piece.finish, "logprobs": None}
     chunk = {"id": request_id, "object": "chat.completion.chunk" if api == "chat" else
              "text_completion", "created": created, "model": model, "choices": [choice]}
-    if piece.usage:
-        chunk["usage"] = piece.usage
+    if options.include_usage:
+        chunk["usage"] = piece.usage if options.continuous_usage_stats else None
     return chunk
 
 

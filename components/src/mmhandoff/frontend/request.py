@@ -190,5 +190,40 @@ class RequestReader:
                         top_p=float(top_p), seed=seed, ignore_eos=ignore_eos)
 
 
+@dataclass(frozen=True)
+class StreamOptions:
+    """How an answer is sent, with OpenAI's (and vLLM's) semantics: `stream`; with
+    `include_usage`, a last chunk with `choices: []` and the usage, and `usage: null` on the
+    others; with `continuous_usage_stats` too, the usage so far on every chunk."""
+
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+def stream_options(body: Any) -> StreamOptions:
+    """The request's stream settings (a body that is no object: RequestReader refuses it)."""
+    if not isinstance(body, dict):
+        return StreamOptions()
+    stream = body.get("stream", False)
+    options = body.get("stream_options")
+    if stream is None:
+        stream = False
+    if type(stream) is not bool:
+        raise ApiError(400, "stream must be a boolean", "invalid_request")
+    if options is None:
+        return StreamOptions(stream)
+    if not stream:
+        raise ApiError(400, "stream_options can only be set when stream is true",
+                       "invalid_request")
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", "invalid_request")
+    flags = {name: options.get(name) for name in ("include_usage", "continuous_usage_stats")}
+    if any(v is not None and type(v) is not bool for v in flags.values()):
+        raise ApiError(400, "stream_options.include_usage and .continuous_usage_stats must be "
+                            "booleans", "invalid_request")
+    return StreamOptions(True, **{k: bool(v) for k, v in flags.items()})
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)

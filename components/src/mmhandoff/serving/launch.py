@@ -2,7 +2,8 @@
 
 Starts the component's engine, serves its handler on the Dynamo runtime, reports ready on Dynamo's
 system status server (mmhandoff.serving.health) with its engine's load on the same server's
-/metrics (mmhandoff.serving.load_metrics), and on SIGINT/SIGTERM reports not ready, stops
+/metrics (mmhandoff.serving.load_metrics), serves the blocks its engine holds to routers (a second
+endpoint, `<component>.kv_blocks`: mmhandoff.serving.block_feed), and on SIGINT/SIGTERM reports not ready, stops
 serving (in-flight requests finish), then shuts the engine down. If the engine dies, it exits with
 `health.ENGINE_DEAD` (3).
 """
