@@ -213,3 +213,35 @@ def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
     with pytest.raises(ApiError) as refused:  # the pixel limit sees the real size
         asyncio.run(RequestReader(MODEL, FrontendLimits(max_image_pixels=64 * 48 - 1)).chat(body))
     assert (refused.value.status, refused.value.code) == (413, "image_too_large")
+
+
+UNAPPLIED_CASES = [("n", 2), ("best_of", 3), ("stop", "\n"), ("stop", ["a"]),
+                   ("stop_token_ids", [2]), ("logprobs", True), ("top_logprobs", 5),
+                   ("echo", True), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+                   ("repetition_penalty", 1.2), ("logit_bias", {"5": 10}), ("min_tokens", 4),
+                   ("top_k", 5), ("min_p", 0.1), ("response_format", {"type": "json_object"}),
+                   ("guided_json", {"type": "object"}), ("n", True),
+                   ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                   ("tool_choice", "auto")]
+
+
+@pytest.mark.parametrize("name, value", UNAPPLIED_CASES)
+def test_a_parameter_not_applied_yet_is_refused_not_ignored(server, backends, name, value):
+    got_status, got = post(server, chat_body(GOOD, **{name: value}))
+    assert (got_status, got["error"]["code"]) == (400, "unsupported_parameter")
+    assert name in got["error"]["message"]
+    got_status, got = post(server, json.dumps({"model": MODEL, "prompt": "x", name: value})
+                           .encode(), "/v1/completions")
+    assert (got_status, got["error"]["code"]) == (400, "unsupported_parameter")
+    assert [b.calls for b in backends] == [0, 0]
+
+
+def test_the_values_that_ask_for_nothing_pass_the_check():
+    """What clients send by default (openai's and vLLM's benchmark clients fill some in)."""
+    from mmhandoff.frontend.request import _refuse_unapplied
+
+    _refuse_unapplied({"n": 1, "stop": None, "logprobs": False, "top_logprobs": 0, "echo": False,
+                       "presence_penalty": 0.0, "frequency_penalty": 0, "top_k": -1,
+                       "repetition_penalty": 1.0, "response_format": {"type": "text"},
+                       "tools": [], "tool_choice": "none", "logit_bias": {}, "stop_token_ids": [],
+                       "min_p": 0.0, "suffix": None, "guided_json": None})

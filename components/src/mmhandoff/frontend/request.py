@@ -113,6 +113,7 @@ class RequestReader:
         if body.get("model") != self.model:
             raise ApiError(404, f"model {body.get('model')!r} does not exist; this server serves "
                                 f"{self.model!r}", "model_not_found")
+        _refuse_unapplied(body)
 
     def _message(self, message: Any) -> ChatMessage:
         if not isinstance(message, dict) or message.get("role") not in (
@@ -188,6 +189,42 @@ class RequestReader:
             raise ApiError(400, "top_p must be in (0, 1]", "invalid_sampling")
         return Sampling(max_tokens=max_tokens, temperature=float(temperature),
                         top_p=float(top_p), seed=seed, ignore_eos=ignore_eos)
+
+
+# OpenAI and vLLM parameters mmhandoff does not apply yet, with the values that ask for nothing.
+# A request that sets one to anything else is refused: answering as if it had not asked (no stop
+# applied, one choice for n=2, no JSON for a schema) looks right and is wrong. tools: vLLM itself
+# refuses them unless a tool parser is configured.
+UNAPPLIED: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "stop": ("", []), "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
+    "prompt_logprobs": (0,), "echo": (False,), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "min_tokens": (0,), "top_k": (-1, 0), "min_p": (0,), "response_format": ({"type": "text"},),
+    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "suffix": ("",),
+}
+
+
+def _neutral(value: Any, neutral: tuple) -> bool:
+    if value is None:
+        return True
+    for n in neutral:  # 0 and 0.0 alike; True is not 1
+        if isinstance(n, (int, float)) and not isinstance(n, bool):
+            if _number(value) and value == n:
+                return True
+        elif type(value) is type(n) and value == n:
+            return True
+    return False
+
+
+def _refuse_unapplied(body: dict) -> None:
+    for name, neutral in UNAPPLIED.items():
+        if name in body and not _neutral(body[name], neutral):
+            hint = f" (leave it out or at {neutral[0]!r})" if neutral else " (leave it out)"
+            raise ApiError(400, f"{name} is not supported by this server yet: it would be "
+                                f"ignored{hint}", "unsupported_parameter")
 
 
 @dataclass(frozen=True)
