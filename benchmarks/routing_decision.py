@@ -9,6 +9,9 @@ Arms, on the same prompts and the same index contents:
 - dynamo:    dynamo.llm's compute_block_hash_for_seq (xxh3 over token bytes, in Rust) +
              RadixTree.find_matches, Dynamo's own KV router path (its hashes are its own: they do
              not equal the engine's, which is why mmhandoff does not use them).
+Also the lookup alone, on the engines' own hashes: KvIndex.overlap against Dynamo's RadixTree fed
+with the same hashes (its indexer does not need its own hashes to look up), to choose the index
+by the numbers.
 Prompts of 2k/8k/16k tokens with 1 or 4 images (576 tokens each), 4/16/64 replicas; each replica
 holds a random-length prefix of every prompt plus unrelated blocks. Block size 32 (vLLM on CPU).
 p50/p99 per cell in microseconds; the ratio of the two arms' p50, and ours p99 over the target.
@@ -61,7 +64,8 @@ def main(args) -> None:
     rng = random.Random(7)
     hasher = BlockHasher(BLOCK)
     print(f"{'tokens':>6} {'images':>6} {'replicas':>8} | {'mmhandoff p50':>13} {'p99':>7} | "
-          f"{'dynamo p50':>10} {'p99':>7} | us | p50 ratio | p99 vs 600 us target")
+          f"{'dynamo p50':>10} {'p99':>7} | us | p50 ratio | p99 vs 600 us target | "
+          f"lookup p50 us: KvIndex / RadixTree")
     for n_tokens in (2048, 8192, 16384):
         for n_images in (1, 4):
             prompts = [_prompt(rng, n_tokens, n_images) for _ in range(4)]
@@ -69,6 +73,7 @@ def main(args) -> None:
             for replicas in (4, 16, 64):
                 index = KvIndex()
                 tree = RadixTree() if RadixTree else None
+                engine_tree = RadixTree() if RadixTree else None  # fed the engines' hashes
                 event_id = 0
                 for r in range(replicas):
                     for (tokens, _), hashes in zip(prompts, ours_hashes):
@@ -80,7 +85,9 @@ def main(args) -> None:
                             if local:
                                 event_id += 1
                                 tree.apply_event(r, _dynamo_event(event_id, None, local))
-                ours, theirs = [], []
+                                engine_tree.apply_event(
+                                    r, _dynamo_event(event_id, None, hashes[:keep]))
+                ours, theirs, look_ours, look_tree = [], [], [], []
                 for i in range(args.repeats):
                     tokens, images = prompts[i % len(prompts)]
                     t0 = time.perf_counter()
@@ -94,12 +101,21 @@ def main(args) -> None:
                         max(s, key=lambda k: (s[k], -k[0] if isinstance(k, tuple) else -k),
                             default=None)
                         theirs.append((time.perf_counter() - t0) * 1e6)
+                        hashes = ours_hashes[i % len(prompts)]
+                        t0 = time.perf_counter()
+                        index.overlap(hashes)
+                        look_ours.append((time.perf_counter() - t0) * 1e6)
+                        t0 = time.perf_counter()
+                        engine_tree.find_matches(hashes)
+                        look_tree.append((time.perf_counter() - t0) * 1e6)
+                look = (f"{_pct(look_ours, .5):.0f} / {_pct(look_tree, .5):.0f}" if look_tree
+                        else "-")
                 d50 = f"{_pct(theirs, .5):10.0f} {_pct(theirs, .99):7.0f}" if theirs else \
                     f"{'-':>10} {'-':>7}"
                 ratio = f"{_pct(ours, .5) / _pct(theirs, .5):8.1f}x" if theirs else f"{'-':>9}"
                 print(f"{n_tokens:>6} {n_images:>6} {replicas:>8} | {_pct(ours, .5):13.0f} "
                       f"{_pct(ours, .99):7.0f} | {d50} |    | {ratio} | "
-                      f"{_pct(ours, .99) / TARGET_P99_US:.2f}x", flush=True)
+                      f"{_pct(ours, .99) / TARGET_P99_US:.2f}x | {look}", flush=True)
 
 
 if __name__ == "__main__":
