@@ -262,3 +262,13 @@ def test_bad_stream_settings_are_400(loop, fields):
     status, got = ask(loop, prefill, Scripted(ANSWER), extra=fields)
     assert (status, got["error"]["code"]) == (400, "invalid_request")
     assert prefill.requests == []  # refused before any work
+
+
+def test_a_cache_salt_reaches_prefill_and_a_bad_one_is_400(loop):
+    prefill = Scripted([handoff_answer()])
+    status, _ = ask(loop, prefill, Scripted(ANSWER), extra={"cache_salt": "tenant-a"})
+    assert status == 200 and prefill.requests[0]["cache_salt"] == "tenant-a"
+    for bad in ("", 7, "x" * 257):
+        prefill = Scripted([handoff_answer()])
+        status, got = ask(loop, prefill, Scripted(ANSWER), extra={"cache_salt": bad})
+        assert (status, got["error"]["code"]) == (400, "invalid_request") and not prefill.requests

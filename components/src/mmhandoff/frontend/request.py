@@ -90,7 +90,7 @@ class RequestReader:
         for part, uri in zip(images, uris):  # image parts now carry checked data URIs
             part.image_url.url = uri
         return PrefillRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=typed,
-                              sampling=self._sampling(body))
+                              sampling=self._sampling(body), cache_salt=_cache_salt(body))
 
     async def completion(self, body: Any) -> PrefillRequest:
         self._check_model(body)
@@ -104,7 +104,7 @@ class RequestReader:
             raise ApiError(400, f"prompt is over {self.limits.max_prompt_chars} characters",
                            "prompt_too_long")
         return PrefillRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt=prompt,
-                              sampling=self._sampling(body))
+                              sampling=self._sampling(body), cache_salt=_cache_salt(body))
 
     # ---- pieces -------------------------------------------------------------------------------
     def _check_model(self, body: Any) -> None:
@@ -260,6 +260,22 @@ def stream_options(body: Any) -> StreamOptions:
         raise ApiError(400, "stream_options.include_usage and .continuous_usage_stats must be "
                             "booleans", "invalid_request")
     return StreamOptions(True, **{k: bool(v) for k, v in flags.items()})
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's `cache_salt`: requests share prefix-cached KV only with requests of the same salt
+    (one tenant's prompts cannot be probed by another's timing). It goes into every block hash,
+    on prefill, decode and the router alike."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ApiError(400, f"cache_salt must be a non-empty string of at most "
+                            f"{MAX_CACHE_SALT_CHARS} characters", "invalid_request")
+    return salt
 
 
 def _number(value: Any) -> bool:
