@@ -76,6 +76,7 @@ class RequestReader:
     # ---- the two request kinds ----------------------------------------------------------------
     async def chat(self, body: Any) -> PrefillRequest:
         self._check_model(body)
+        sampling, salt = self._sampling(body), _cache_salt(body)  # before any image is fetched
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list", "invalid_messages")
@@ -90,7 +91,7 @@ class RequestReader:
         for part, uri in zip(images, uris):  # image parts now carry checked data URIs
             part.image_url.url = uri
         return PrefillRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=typed,
-                              sampling=self._sampling(body), cache_salt=_cache_salt(body))
+                              sampling=sampling, cache_salt=salt)
 
     async def completion(self, body: Any) -> PrefillRequest:
         self._check_model(body)
