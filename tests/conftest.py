@@ -24,7 +24,14 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 from PIL import Image  # noqa: E402
+
+# Property tests draw the same examples on every run (a suite that passes or fails by chance is
+# a bug); HYPOTHESIS_PROFILE=explore searches afresh, to find new failures on purpose.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def free_port() -> int:

@@ -94,6 +94,15 @@ def test_corrupted_messages_never_crash(h, data):
         pass  # anything but a typed error fails the test
 
 
+def test_a_version_that_is_no_number_is_a_typed_error():
+    """Found by the property above: a corrupted `v` that decodes to a map made the version
+    check itself crash (a dict is unhashable)."""
+    for v in ({}, [], {"a": 1}, "1", 1.0, True, None):
+        wire = msgspec.msgpack.encode({**msgspec.to_builtins(_good()), "v": v})
+        with pytest.raises(UnsupportedVersion):
+            decode_handoff(wire)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_never_crash(blob):

@@ -194,7 +194,8 @@ def decode_handoff(data: bytes) -> Handoff:
         version = _envelope_decoder.decode(data).v
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise MalformedHandoff(f"not a handoff message: {e}") from None
-    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
+    # `v` may decode to anything (a map, a list: unhashable); only an int names a version
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersion(
             f"handoff version {version!r} is not supported (supported: {sorted(SUPPORTED_VERSIONS)})")
     try:
