@@ -48,13 +48,14 @@ def test_kv_blocks_span_the_layers_on_gpus_with_vllm_0_26(monkeypatch, role):
         extra = extra.kv_connector_extra_config if extra else {}
         return engine_env(spec).get("VLLM_KV_CACHE_LAYOUT"), extra.get("enable_cross_layers_blocks")
 
-    assert settings() == (None, None)  # this CPU machine: vLLM's CPU layout only
+    on = dict(kv_blocks_across_layers=True)
+    assert settings(**on) == (None, None)  # this CPU machine: vLLM's CPU layout only
     monkeypatch.setattr(engine_mod, "on_cpu", lambda: False)
     monkeypatch.setattr(engine_mod, "_layout_names_blocks_outermost", lambda: False)  # 0.26
-    assert settings() == ((None, None) if role == "agg" else ("HND", "True"))
-    assert settings(kv_blocks_across_layers=False) == (None, None)
+    assert settings(**on) == ((None, None) if role == "agg" else ("HND", "True"))
+    assert settings() == (None, None)  # off by default until measured on a GPU
     monkeypatch.setattr(engine_mod, "_layout_names_blocks_outermost", lambda: True)  # 0.31
-    assert settings() == (None, None)
+    assert settings(**on) == (None, None)
 
 
 def test_the_installed_vllm_is_told_apart_by_its_layout_module():

@@ -10,6 +10,8 @@ image), so that an answer depends on the image is checked on CPU only (test_hand
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import pytest
 
@@ -32,8 +34,10 @@ def gpu(loop):
     from mmhandoff.vllm_adapter import EngineSpec
     from mmhandoff.vllm_adapter.kv_events import KVEventSubscriber
 
+    # MMHANDOFF_GPU_KV_ACROSS_LAYERS=1: the same tests with one NIXL descriptor per KV block
     common = dict(model=str(ensure_dummy_model("llava-1.5-7b")), dtype="bfloat16",
-                  extra={"load_format": "dummy"}, gpu_memory_utilization=0.25)
+                  extra={"load_format": "dummy"}, gpu_memory_utilization=0.25,
+                  kv_blocks_across_layers=os.environ.get("MMHANDOFF_GPU_KV_ACROSS_LAYERS") == "1")
     ports = {role: free_port() for role in ("prefill", "decode")}
     # decode's connector fails the loads of requests marked for it (tests/fault_connector.py)
     fault = {"decode": "tests.fault_connector.FaultInjectingNixlConnector"}

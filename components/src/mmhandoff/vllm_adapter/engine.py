@@ -67,8 +67,9 @@ class EngineSpec:
     # GPU: each KV block holds every layer side by side, so NIXL moves one descriptor per block
     # instead of one per layer and K/V (64x fewer for a 32-layer model). cuda_ipc pays ~8 us per
     # descriptor whatever its size, which bounds the pull (docs/gpu.md). Every engine that moves
-    # KV must agree: vLLM's NIXL handshake refuses a peer with the other layout.
-    kv_blocks_across_layers: bool = True
+    # KV must agree: vLLM's NIXL handshake refuses a peer with the other layout. Off until it has
+    # run on a GPU (built 2026-12-05 without one).
+    kv_blocks_across_layers: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs as is
 
     def __post_init__(self) -> None:
