@@ -7,7 +7,8 @@ chosen decode replica already held, read from the engine's own counter (each ans
 the KV policy against round robin in the same test. The answers of both runs must be equal (the
 route changes where KV comes from, never the answer). Mid-trace the router is killed (-9): serve
 restarts it (one of two router replicas), it rebuilds its index from the workers' snapshots, and
-the hit rate holds.
+the hit rate holds. The KV run uses etcd for discovery and NATS for requests (real servers): the
+workers' kv_blocks streams cross NATS; the round-robin run uses the one-host defaults.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 import yaml
 
 from tests.conftest import data_uri, encode, make_image
-from tests.graph_runner import Graph
+from tests.graph_runner import Graph, Servers
 from tests.test_graphs import MODEL, _client, _disagg_router, _restarted
 
 pytestmark = pytest.mark.graph
@@ -99,17 +100,23 @@ def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_
     trace = _trace(13)
     half = len(trace) // 2
     results, metrics = {}, {}
-    for policy in ("round_robin", "kv"):
-        config = _disagg_router(tmp_path, policy)
-        if policy == "kv":  # two routers: the graph answers while one is killed and restarted
-            spec = yaml.safe_load(Path(config).read_text())
-            spec["components"]["router"]["replicas"] = 2
-            Path(config).write_text(yaml.safe_dump(spec))
-        graph = Graph("graphs.disagg_router:Frontend", config, tmp_path)
-        with graph.failing_loudly():
-            results[policy] = _run(graph, trace, kill_router_at=half if policy == "kv" else None)
-            metrics[policy] = _router_metrics(graph)
-            graph.stop()
+    servers = Servers(tmp_path)
+    try:
+        for policy in ("round_robin", "kv"):
+            config, planes = _disagg_router(tmp_path, policy), {}
+            if policy == "kv":  # two routers: the graph answers while one is killed, restarted;
+                spec = yaml.safe_load(Path(config).read_text())  # the kv_blocks streams go
+                spec["components"]["router"]["replicas"] = 2  # over NATS, discovery is etcd
+                Path(config).write_text(yaml.safe_dump(spec))
+                planes = dict(etcd=servers.etcd_url, nats=servers.nats_url, namespace="mmh-kv")
+            graph = Graph("graphs.disagg_router:Frontend", config, tmp_path, **planes)
+            with graph.failing_loudly():
+                results[policy] = _run(graph, trace,
+                                       kill_router_at=half if policy == "kv" else None)
+                metrics[policy] = _router_metrics(graph)
+                graph.stop()
+    finally:
+        servers.close()
     rr_answers, rr_found = results["round_robin"]
     kv_answers, kv_found = results["kv"]
     assert kv_answers == rr_answers
