@@ -211,19 +211,21 @@ class Servers:
 
     def _etcd(self) -> subprocess.Popen:
         peer = f"http://127.0.0.1:{self.peer}"
-        return subprocess.Popen(
+        return self._spawn(
             [self.etcd_bin, "--data-dir", str(self.tmp / "etcd"), "--name", "t",
              "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"t={peer}"],
-            stdout=subprocess.DEVNULL, stderr=open(self.tmp / "etcd.log", "a"))
+             "--initial-cluster", f"t={peer}"], "etcd.log")
 
     def _nats(self) -> subprocess.Popen:
         port, monitor = self.nats_url.rsplit(":", 1)[1], self.nats_monitor.rsplit(":", 1)[1]
-        return subprocess.Popen(
+        return self._spawn(
             [self.nats_bin, "-a", "127.0.0.1", "-p", port, "-m", monitor, "-js",
-             "-sd", str(self.tmp / "nats")],
-            stdout=subprocess.DEVNULL, stderr=open(self.tmp / "nats.log", "a"))
+             "-sd", str(self.tmp / "nats")], "nats.log")
+
+    def _spawn(self, command: list[str], log: str) -> subprocess.Popen:
+        with open(self.tmp / log, "a") as err:  # the child keeps its own copy of the file
+            return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
 
     def kill(self, name: str) -> None:
         """SIGKILL etcd or NATS (an outage: `restart` brings it back, same ports and data)."""

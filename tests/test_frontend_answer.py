@@ -272,3 +272,14 @@ def test_a_cache_salt_reaches_prefill_and_a_bad_one_is_400(loop):
         prefill = Scripted([handoff_answer()])
         status, got = ask(loop, prefill, Scripted(ANSWER), extra={"cache_salt": bad})
         assert (status, got["error"]["code"]) == (400, "invalid_request") and not prefill.requests
+
+
+def test_the_frontends_alive_answer_is_its_wire_type(loop):
+    from mmhandoff.frontend.app import _alive
+    from mmhandoff.wire.messages import Alive
+
+    async def answers():
+        return [item async for item in _alive(None)]
+
+    (item,) = loop.run(answers())
+    assert msgspec.convert(item, Alive) == Alive(alive=True)

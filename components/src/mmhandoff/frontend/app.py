@@ -43,6 +43,7 @@ from mmhandoff.frontend.request import (
 from mmhandoff.media.fetch import FetchPolicy
 from mmhandoff.serving.runtime import RemoteError, background, call, call_one
 from mmhandoff.wire.messages import (
+    Alive,
     AnswerStats,
     DecodeChunk,
     DecodeStats,
@@ -353,7 +354,9 @@ def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece,
 
 
 async def _alive(request):
-    yield {"alive": True}
+    """The frontend's own discovery entry (serving.registration watches it): its answer says only
+    that this process serves."""
+    yield msgspec.to_builtins(Alive())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,3 +152,10 @@ class KvBlocks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kind: Literal["snapshot", "stored", "removed", "cleared"]
     hashes: list[int | bytes] = []
     block_size: int = 0  # in a snapshot: the engine's, which a router must hash with
+
+
+class Alive(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a component's `alive` endpoint answers (the frontend's: it has no other endpoint by
+    which discovery can see it)."""
+
+    alive: bool = True
