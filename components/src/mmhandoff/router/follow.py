@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import sys
 
+import msgspec
+
 from mmhandoff.router.index import KvIndex
 from mmhandoff.serving.runtime import RemoteError, call
 from mmhandoff.wire.messages import KvBlocks
-
-import msgspec
 
 DISCOVERY_POLL_S = 0.5  # how often the instance list is compared with the streams followed
 
@@ -63,10 +63,9 @@ class Follower:
             self._streams[instance] = asyncio.ensure_future(self._follow(instance))
 
     async def _follow(self, instance: int) -> None:
-        decode = msgspec.convert
         try:
             async for item in call(self.feeds, {}, instance, lost="kv_blocks_lost"):
-                update = decode(item, KvBlocks)
+                update = msgspec.convert(item, KvBlocks)
                 if update.kind == "snapshot":
                     if update.block_size != self.block_size:
                         self._refused.add(instance)
