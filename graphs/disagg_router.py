@@ -1,7 +1,7 @@
 """frontend -> prefill -> router -> decode (replicas).
 
-The frontend sends the handoff to the router, which picks the decode replica (pass-through round
-robin until the KV-aware choice lands; mmhandoff.router)."""
+The frontend sends the handoff to the router, which picks the decode replica that already holds
+most of its KV blocks (mmhandoff.router; docs/routing.md)."""
 
 from mmhandoff.serving.graph import Component
 
