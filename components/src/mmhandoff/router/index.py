@@ -1,9 +1,9 @@
 """Which KV blocks each engine instance holds, and, for a request's block hashes, how many of its
 leading blocks each instance holds: the router's picture of the engines' prefix caches.
 
-Fed from the engines' KV events (stored, removed, all cleared: vllm_adapter.kv_events.feed
-converts vLLM's), keyed by the Dynamo instance that published them; an instance that leaves
-discovery is dropped. Block hashes are the engines' own (vllm_adapter.block_hashes), so a lookup
+Fed from the workers' kv_blocks streams (router.follow: a snapshot, then the engine's KV events
+as stored / removed / cleared), keyed by Dynamo instance; an instance that leaves discovery is
+dropped. Block hashes are the engines' own (vllm_adapter.block_hashes), so a lookup
 is set membership, chained: block i counts only if blocks 0..i-1 do (a prefix cache reuses a
 prefix, not scattered blocks).
 """
