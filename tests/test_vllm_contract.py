@@ -109,6 +109,17 @@ def test_engine_compute_threads_stay_on_their_cores(engines):
             assert os.sched_getaffinity(w.pid) == cores, name
 
 
+def test_engine_cores_are_reaped_by_one_thread_at_a_time(engines):
+    """reaping.py: vLLM's process manager and its monitor thread both wait for the core; the
+    adapter serializes `poll` on every engine it starts (tests/test_engine_reaping.py: why)."""
+    from vllm.v1.engine.utils import CoreEngineProcManager
+
+    assert "proc.exitcode" in inspect.getsource(CoreEngineProcManager.monitor_engine_liveness)
+    for engine in (engines.prefill, engines.decode, engines.full):
+        procs = engine.llm.engine_core.resources.engine_manager.processes
+        assert procs and all(p._popen.poll.mmhandoff_serialized for p in procs)
+
+
 def test_shm_ring_reader_fields_used_by_the_spin_plugin():
     """spin.py replaces SpinCondition.wait and reads these reader fields."""
     from vllm.distributed.device_communicators import shm_broadcast

@@ -207,15 +207,23 @@ def start_llm(spec: EngineSpec, load=None):
     """vLLM's AsyncLLM for `spec`."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from mmhandoff.vllm_adapter.reaping import serialize_reaping
+
     loggers = [load.logger_factory()] if load is not None else None
     with _patched_environ(engine_env(spec)):
-        return AsyncLLM.from_engine_args(engine_args(spec), stat_loggers=loggers)
+        llm = AsyncLLM.from_engine_args(engine_args(spec), stat_loggers=loggers)
+    serialize_reaping(_core_processes(llm))
+    return llm
 
 
 def engine_core_pids(engine) -> list[int]:
     """The process ids of an AsyncLLM's engine cores (each core's model workers are its
     children): for measuring an engine's CPU and checking its placement."""
-    return [p.pid for p in engine.engine_core.resources.engine_manager.processes]
+    return [p.pid for p in _core_processes(engine)]
+
+
+def _core_processes(engine) -> list:
+    return engine.engine_core.resources.engine_manager.processes
 
 
 def engine_dead_cause(engine) -> str | None:

@@ -17,10 +17,10 @@ from mmhandoff.vllm_adapter.inputs import (
 from mmhandoff.wire.handoff import Handoff, KVMismatch, Sampling
 
 
-# How long the engine core may take to stop (its model worker first) before vLLM kills it.
-# vLLM's 5 s ran out at a few graph stops in CI on the 2-core host (cause not found: a kill now
-# dumps the core's stacks first, see fast_exit); a core killed in its teardown leaks its
-# shared memory.
+# How long the engine core may take to stop (its model worker first) before vLLM kills it: more
+# than vLLM's 5 s for a loaded 2-core host; a core killed in its teardown leaks its shared
+# memory. (The early "force killing" at some CI graph stops was not the grace running out but
+# two threads reaping the core: see reaping.)
 SHUTDOWN_GRACE_S = 15.0
 
 
