@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -40,7 +41,7 @@ class Graph:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log: list[str] = []
-        self.shm_before = _shm()
+        self.shm_before, self.tmp_before = _shm(), _tmp()
         self.ready = threading.Event()
         self.proc = subprocess.Popen(
             [*command, "serve", target, "-f", str(self.config), "--port", str(self.port)],
@@ -111,6 +112,9 @@ class Graph:
         assert not left, _describe(left)
         if self.started:  # a graph that was up, stopped or crashed, leaves no shared memory
             assert not _shm() - self.shm_before, _shm() - self.shm_before
+        # nor files in the temp dir: serve removes its run's directory (discovery, the
+        # replicas' TMPDIR with vLLM's socket files)
+        assert not _tmp() - self.tmp_before, _tmp() - self.tmp_before
         if expect == 0 and self.started:
             self.reader.join(timeout=10)  # the log's last lines
             # vLLM kills an engine core that does not end in its grace (15 s: VllmEngine);
@@ -149,6 +153,10 @@ class Graph:
 
 def _shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
+
+
+def _tmp() -> set[str]:
+    return set(os.listdir(tempfile.gettempdir()))
 
 
 def _alive_in(sessions: set[int]) -> list[psutil.Process]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from vllm import SamplingParams
@@ -94,8 +95,10 @@ def test_a_prefill_engine_holding_unpulled_kv_stops_at_once(loop, tiny_model):
                                     cpu_cores="0", nixl_port=free_port(), kv_lease_s=120))
     _handoffs(loop, PrefillWorker(engine), "at-stop", 2)
     cores = engine.llm.engine_core.resources.engine_manager.processes
+    assert any(f.is_socket() for f in Path(engine.ipc_dir).iterdir())  # vLLM's, in its own dir
     t0 = time.monotonic()
     engine.shutdown()
     took = time.monotonic() - t0
     assert [p.exitcode for p in cores] == [0] * len(cores), "force-killed"
     assert took < SHUTDOWN_GRACE_S / 2, took
+    assert not Path(engine.ipc_dir).exists()  # no socket files left behind

@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,7 +134,10 @@ def runtime_env(config: dict) -> dict[str, str]:
 
 def graph_env(config: dict, base: Mapping[str, str], run_dir: Path) -> dict[str, str]:
     """The environment every process of a graph run starts with."""
-    env = dict(base, DYN_FILE_KV=str(run_dir / "discovery"), **runtime_env(config),
+    # TMPDIR: what the graph's processes leave in the temp dir (a killed replica's socket files)
+    # goes with the run's directory when serve stops
+    env = dict(base, DYN_FILE_KV=str(run_dir / "discovery"), TMPDIR=str(run_dir / "tmp"),
+               **runtime_env(config),
                **{k: str(v) for k, v in (config.get("env") or {}).items()})
     if not (env.get(KEY_ENV) or env.get(KEY_FILE_ENV)):
         # Handoffs are signed: one fresh key per graph run, shared by its processes only (they
@@ -188,6 +192,7 @@ class Supervisor:
 
     def start(self) -> None:
         self.env = graph_env(self.config, os.environ, self.run_dir)
+        Path(self.env["TMPDIR"]).mkdir(exist_ok=True)
         for component in self.components:
             for i in range(self.replica_count(component)):
                 self.replicas.append(self._launch(component, i))
@@ -287,6 +292,7 @@ class Supervisor:
         for r in self.replicas:  # the whole session: engine cores and workers included
             _kill_session(r.proc.pid)
             r.proc.wait()
+        shutil.rmtree(self.run_dir, ignore_errors=True)  # discovery files, the replicas' TMPDIR
 
 
 def _signal_group(pgid: int, sig: int) -> None:

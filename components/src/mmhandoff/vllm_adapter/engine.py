@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
 
@@ -200,17 +202,26 @@ def start_engine(spec: EngineSpec, load=None):
     kept up to date with the engine's scheduler stats."""
     from mmhandoff.vllm_adapter.vllm_engine import VllmEngine
 
-    return VllmEngine(start_llm(spec, load))
+    # vLLM's ZMQ sockets between the engine and its core are files in VLLM_RPC_BASE_PATH (the
+    # temp dir) that vLLM leaves behind (7 per engine): a directory of the engine's own, removed
+    # when it stops.
+    ipc_dir = tempfile.mkdtemp(prefix="mmhandoff-vllm-ipc-")
+    try:
+        return VllmEngine(start_llm(spec, load, ipc_dir), ipc_dir)
+    except BaseException:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise
 
 
-def start_llm(spec: EngineSpec, load=None):
-    """vLLM's AsyncLLM for `spec`."""
+def start_llm(spec: EngineSpec, load=None, ipc_dir: str | None = None):
+    """vLLM's AsyncLLM for `spec`; its sockets' files in `ipc_dir` if given."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from mmhandoff.vllm_adapter.reaping import serialize_reaping
 
     loggers = [load.logger_factory()] if load is not None else None
-    with _patched_environ(engine_env(spec)):
+    env = engine_env(spec) | ({"VLLM_RPC_BASE_PATH": ipc_dir} if ipc_dir else {})
+    with _patched_environ(env):
         llm = AsyncLLM.from_engine_args(engine_args(spec), stat_loggers=loggers)
     serialize_reaping(_core_processes(llm))
     return llm

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from typing import Any, AsyncIterator, Sequence
 
 from mmhandoff.engine import Capabilities, EngineInputError, Rendered, Step
@@ -51,8 +52,9 @@ def check_blocks(handoff: Handoff, block_size: int) -> None:
 
 
 class VllmEngine:
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, ipc_dir: str | None = None) -> None:
         self.llm = llm  # vLLM's AsyncLLM: for the adapter and the engine-tier tests only
+        self.ipc_dir = ipc_dir  # its sockets' files: the engine's own (start_engine)
         mc = llm.model_config
         mm = mc.multimodal_config
         self.capabilities = Capabilities(
@@ -167,3 +169,5 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown(timeout=SHUTDOWN_GRACE_S)
+        if self.ipc_dir is not None:  # the core is gone: nothing uses them now
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
