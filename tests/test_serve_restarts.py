@@ -6,6 +6,7 @@ decode replica killed under load, is in tests/test_graphs.py."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -32,6 +33,7 @@ def sup(monkeypatch, tmp_path):
     for r in s.replicas:
         supervisor._end_session(r.proc.pid, grace_s=1)
         r.proc.wait()
+    shutil.rmtree(s.run_dir)  # what Supervisor.stop does last
 
 
 def _kill(s, name: str) -> int:
