@@ -5,14 +5,19 @@
     python benchmarks/graph_overhead.py --model-shape llava-1.5-7b --gpu-memory-utilization 0.2
 
 Arms (same engine settings, same cores, same images, distinct per request so no prefix cache
-helps either arm):
+helps any arm), each under both contracts: the answer's first token from prefill (the
+product's: the client has it when prefill answers, decode continues after it) and from decode
+(the older: after the handoff, the KV pull and a decode step):
 - in-process: PrefillWorker.handoff -> DecodeWorker.generate in this process (no runtime, no HTTP);
 - graph:      `mmhandoff serve graphs.disagg:Frontend -f configs/disagg.yaml`, streaming chat
-              requests over HTTP: frontend checks, Dynamo TCP to prefill and to decode, SSE.
-Both arms are up together and take turns, round by round (each arm's idle CPU is printed). Per
-arm and concurrency (1 and 8): TTFT p50/p95 (request sent to first token received) and
-throughput (requests/s); then the graph's added TTFT p50 in ms (the target: at most 5 ms) and
-the throughput ratio.
+              requests over HTTP: frontend checks, Dynamo TCP to prefill and to decode, SSE. The
+              older contract's arm is a second frontend, serve's own command line with
+              `--first-token-from decode`, in front of the same workers.
+All arms are up together and take turns, round by round (idle CPU is printed). Per arm and
+concurrency (1 and 8): TTFT p50/p95 (request sent to first token received) and throughput
+(requests/s); then, per contract, the graph's added TTFT p50 in ms (the target: at most 5 ms
+with prefill's token) and the throughput ratio, and the new contract's graph TTFT p50 over the
+older one's (the target: at most 0.75).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import functools
 import json
 import os
 import statistics
@@ -38,6 +44,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 from benchmarks.common import jpeg, pct, port  # noqa: E402
 
 MAX_TOKENS = 32
+# the answer's first token: {contract: PrefillRequest.first_token}
+CONTRACTS = {"prefill's token": True, "decode's token": False}
 
 
 def messages(image: bytes) -> list[dict]:
@@ -74,7 +82,7 @@ class InProcess:
         self.prefill = PrefillWorker(self.engines[0])
         self.decode = DecodeWorker(self.engines[1])
 
-    async def request(self, rid: str, image: bytes) -> float:
+    async def request(self, rid: str, image: bytes, first_token: bool) -> float:
         import msgspec
 
         from mmhandoff.wire.handoff import Sampling
@@ -83,8 +91,9 @@ class InProcess:
         t0 = time.perf_counter()
         handoff, _ = await self.prefill.handoff(PrefillRequest(
             request_id=rid, messages=msgspec.convert(messages(image), list[ChatMessage]),
-            sampling=Sampling(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)))
-        ttft = None
+            sampling=Sampling(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+            first_token=first_token))
+        ttft = time.perf_counter() - t0 if first_token else None
         async for _ in self.decode.generate(handoff):
             ttft = ttft or time.perf_counter() - t0
         return ttft
@@ -116,6 +125,7 @@ def graph_config(args, run_dir: Path) -> Path:
 
 class Graph:
     def __init__(self, config: Path, log: Path) -> None:
+        self.older = None  # the older contract's frontend (start_older_frontend)
         self.port = port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "w")
@@ -133,15 +143,41 @@ class Graph:
                 time.sleep(0.5)
         raise TimeoutError(f"the graph was not ready in 600 s; see {log}")
 
-    async def request(self, session, rid: str, image: bytes) -> float:
+    def start_older_frontend(self, log: Path) -> None:
+        """A second frontend in front of the same workers, with the older contract: serve's
+        frontend's own command line and environment, another port, `--first-token-from
+        decode`."""
+        import psutil
+
+        (ours,) = [p for p in psutil.Process(self.proc.pid).children()
+                   if "mmhandoff.frontend" in p.cmdline()]
+        cmd = ours.cmdline()
+        cmd[cmd.index("--port") + 1] = str(older_port := port())
+        self.older_url = f"http://127.0.0.1:{older_port}"
+        self.older_log = open(log, "w")
+        self.older = subprocess.Popen([*cmd, "--first-token-from", "decode"], cwd=ROOT,
+                                      env=ours.environ(), stdout=self.older_log,
+                                      stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.older.poll() is None, f"the second frontend exited; see {log}"
+            try:
+                urllib.request.urlopen(self.older_url + "/health", timeout=2).close()
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"the second frontend was not ready in 120 s; see {log}")
+
+    async def request(self, session, rid: str, image: bytes, first_token: bool) -> float:
         # The body is encoded before the clock starts: a client's own JSON encoding (~0.3-0.5 ms
         # for the 200 KB body) is not something the graph adds.
         body = json.dumps({"model": "tiny-llava", "messages": messages(image),
                            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                            "stream": True}).encode()
+        url = self.url if first_token else self.older_url
         t0 = time.perf_counter()
         ttft = None
-        async with session.post(self.url + "/v1/chat/completions", data=body,
+        async with session.post(url + "/v1/chat/completions", data=body,
                                 headers={"Content-Type": "application/json"}) as response:
             assert response.status == 200, await response.text()
             async for line in response.content:
@@ -151,6 +187,10 @@ class Graph:
         return ttft
 
     def close(self) -> None:
+        if self.older is not None:
+            self.older.terminate()
+            self.older.wait(timeout=60)
+            self.older_log.close()
         self.proc.terminate()
         self.proc.wait(timeout=90)
         self.log.close()
@@ -214,12 +254,17 @@ async def main(args) -> None:
     graph = Graph(graph_config(args, run_dir), run_dir / "graph.log")
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
     try:
+        graph.start_older_frontend(run_dir / "frontend-older.log")
         idle = {"in-process engines": await idle_cpu(
                     [pid for e in local.engines for pid in e.core_pids()]),
-                "graph": await idle_cpu([graph.proc.pid])}
-        results = await measure({
-            "in-process": local.request,
-            "graph": lambda rid, image: graph.request(session, rid, image)}, args)
+                "graph": await idle_cpu([graph.proc.pid, graph.older.pid])}
+        arms = {}
+        for contract, first_token in CONTRACTS.items():
+            arms[f"in-process, {contract}"] = functools.partial(
+                local.request, first_token=first_token)
+            arms[f"graph, {contract}"] = functools.partial(
+                graph.request, session, first_token=first_token)
+        results = await measure(arms, args)
     finally:
         await session.close()
         graph.close()
@@ -238,12 +283,15 @@ async def main(args) -> None:
                   f"{pct(ttfts, 95) * 1e3:.1f} | {statistics.median(rps):.2f} |")
     print()
     for c in (1, 8):
-        local_ttft, graph_ttft = (pct(results[a][c][0], 50) for a in ("in-process", "graph"))
-        ratio = statistics.median(results["graph"][c][1]) / statistics.median(
-            results["in-process"][c][1])
-        print(f"concurrency {c}: graph adds {(graph_ttft - local_ttft) * 1e3:+.1f} ms to TTFT p50 "
-              f"(ratio {graph_ttft / local_ttft:.2f}); throughput ratio graph/in-process "
-              f"{ratio:.2f}")
+        for contract in CONTRACTS:
+            local, graph = results[f"in-process, {contract}"][c], results[f"graph, {contract}"][c]
+            local_ttft, graph_ttft = pct(local[0], 50), pct(graph[0], 50)
+            ratio = statistics.median(graph[1]) / statistics.median(local[1])
+            print(f"concurrency {c}, {contract}: graph adds {(graph_ttft - local_ttft) * 1e3:+.1f}"
+                  f" ms to TTFT p50 (ratio {graph_ttft / local_ttft:.2f}); throughput ratio "
+                  f"graph/in-process {ratio:.2f}")
+        new, older = (pct(results[f"graph, {k}"][c][0], 50) for k in CONTRACTS)
+        print(f"concurrency {c}: graph TTFT p50, {'/'.join(CONTRACTS)}: {new / older:.2f}")
 
 
 if __name__ == "__main__":

@@ -6,13 +6,17 @@
         --skip-overhead
 
 Arms (same prefill engine, same settings otherwise):
-- handoff:    decode gets the Handoff (token ids, hashes, spans) and pulls KV over NIXL;
 - full media: decode gets the prompt and the original image bytes, decodes and re-processes them,
-              and pulls the same KV (what P/D stacks do today).
+              pulls the same KV and samples the first token (what P/D stacks do today);
+- handoff:    decode gets the Handoff (token ids, hashes, spans), pulls KV over NIXL and samples
+              the first token (the older contract);
+- handoff, prefill's token: the same handoff, but the answer's first token is prefill's (the
+              client has it when prefill answers) and decode goes on from the second (the
+              product's contract).
 Per arm, image size (640x480 and 12 MP JPEG) and concurrency (default 1 and 4): decode-side input
 preparation, decode submit-to-first-token (admission, input preparation, KV pull, one step),
-TTFT (prefill start to first decode token) p50/p95, decode request bytes, the prompt tokens
-decode pulled over NIXL, ratios.
+TTFT (prefill start to the answer's first token: decode's, or prefill's in the third arm)
+p50/p95, decode request bytes, the prompt tokens decode pulled over NIXL, ratios.
 Then the NixlConnector overhead: per-request latency of one engine without a KV connector, with
 NixlConnector (our settings: 0 UCX worker threads) and with vLLM's default 4 threads.
 Peak RSS of every engine's processes is sampled throughout.
@@ -34,6 +38,9 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from benchmarks.common import PeakRSS, jpeg, pct, port  # noqa: E402
+
+PREFILLS_TOKEN = "handoff, prefill's token"
+ARMS = ("full media", "handoff", PREFILLS_TOKEN)
 
 
 async def main(args) -> None:
@@ -97,12 +104,13 @@ async def main(args) -> None:
         t0 = time.perf_counter()
         uri = "data:image/jpeg;base64," + base64.b64encode(image).decode()
         req = PrefillRequest(request_id=rid, messages=[user("Describe it.", uri)],
-                             sampling=sampling)
+                             sampling=sampling, first_token=arm == PREFILLS_TOKEN)
         handoff, _ = await asyncio.wait_for(prefill.handoff(req), 120)
+        ttft = (time.perf_counter() - t0) * 1e3 if handoff.first_token is not None else None
         if args.verbose:
             print(f"[bench] {rid}: prefill {(time.perf_counter() - t0) * 1e3:.0f} ms",
                   file=sys.stderr, flush=True)
-        if arm == "handoff":
+        if arm != "full media":
             wire = encode_handoff(handoff)
             stream = decode.generate(wire)
         else:
@@ -111,7 +119,6 @@ async def main(args) -> None:
                 request_id=rid, prompt=prompt, images=[image],
                 kv_transfer_params=handoff.kv_transfer_params, sampling=sampling))
             stream = full.generate(wire)
-        ttft = None
         last = None
         async for chunk in stream:
             if ttft is None:
@@ -130,7 +137,7 @@ async def main(args) -> None:
         # in prefill, and in the decode engine that served it (no KV pulled at all)
         images = [jpeg(w, h, 1000 + i) for i in range(2 * n * len(args.concurrency) + 1)]
         for conc in args.concurrency:
-            for arm in ("full media", "handoff"):
+            for arm in ARMS:
                 await one(arm, images[-1], f"warm-{arm}-{size_name}-{conc}")  # warm-up
                 results = []
                 for start in range(0, n, conc):
@@ -148,7 +155,7 @@ async def main(args) -> None:
 
     print(f"\n## Handoff vs full media ({args.model_shape}, block {args.block_size}, cuda_ipc GET "
           f"{args.cuda_ipc_get}; KV blocks across layers {args.kv_blocks_across_layers}; "
-          "TTFT = prefill start to first decode token)\n")
+          "TTFT = prefill start to the answer's first token)\n")
     print("| image | conc | arm | decode prep ms | decode first token p50 / p95 ms | TTFT p50 ms "
           "| TTFT p95 ms | decode request bytes | prompt tokens pulled |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -156,12 +163,13 @@ async def main(args) -> None:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.2f} | {r[7]:.1f} / {r[8]:.1f} | {r[4]:.1f} "
               f"| {r[5]:.1f} | {r[6]:,.0f} | {r[9]} |")
     print("\n| image | conc | handoff/full decode first token p50 | handoff/full TTFT p50 "
-          "| TTFT p50 reduction | handoff/full request bytes |")
-    print("|---|---|---|---|---|---|")
-    for i in range(0, len(rows), 2):
-        f, hnd = rows[i], rows[i + 1]
+          "| TTFT p50 reduction | handoff/full request bytes | prefill's token/handoff TTFT p50 |")
+    print("|---|---|---|---|---|---|---|")
+    for i in range(0, len(rows), len(ARMS)):
+        f, hnd, new = rows[i:i + len(ARMS)]
         print(f"| {f[0]} | {f[1]} | {hnd[7] / f[7]:.2f} | {hnd[4] / f[4]:.2f} "
-              f"| {100 * (1 - hnd[4] / f[4]):.0f}% | {hnd[6] / f[6]:.5f} ({100 * hnd[6] / f[6]:.3f}%) |")
+              f"| {100 * (1 - hnd[4] / f[4]):.0f}% | {hnd[6] / f[6]:.5f} ({100 * hnd[6] / f[6]:.3f}%) "
+              f"| {new[4] / hnd[4]:.2f} |")
     if args.skip_overhead:
         mem.stop()
         for eng in engines.values():

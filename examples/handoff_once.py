@@ -4,7 +4,8 @@
 
 Starts a prefill engine (whole VLM, NIXL producer) and a decode engine (no vision tower, NIXL
 consumer, fail-closed scheduler) on the tiny model, one CPU core each; sends a chat request with
-an image to prefill; hands the decode engine only the metadata; prints what decode produced.
+an image to prefill, which samples the answer's first token; hands the decode engine only the
+metadata and that token; prints the answer (prefill's token, then decode's).
 """
 
 from __future__ import annotations
@@ -52,8 +53,13 @@ async def run(image: bytes, max_tokens: int) -> None:
             request_id="demo-1",
             messages=[user("What is in this picture?", uri)],
             sampling=Sampling(max_tokens=max_tokens, temperature=0.0))
-        handoff, pstats = await PrefillWorker(prefill).handoff(request)
-        tokens, text = [], ""
+        answer = await PrefillWorker(prefill).prefill(request)
+        handoff, pstats = answer.handoff, answer.stats
+        # the answer's first token is prefill's; decode continues after it
+        tokens, text = [answer.first.token_id], answer.first.text
+        if handoff is None:
+            print(f"answer (ended at prefill's token, {answer.first.finish_reason}): {text!r}")
+            return
         async for chunk in DecodeWorker(decode).generate(encode_handoff(handoff)):
             tokens, text, s = tokens + chunk.token_ids, text + chunk.text, chunk.stats
         print(f"answer ({len(tokens)} tokens, random weights): {text!r}")
@@ -62,8 +68,8 @@ async def run(image: bytes, max_tokens: int) -> None:
               f"+{handoff.features.mm_placeholders['image'][0].length}")
         print(f"prefill: prepare {pstats.prepare_ms:.1f} ms, prefill {pstats.prefill_ms:.1f} ms")
         print(f"handoff sent to decode: {s.request_bytes} bytes (no media)")
-        print(f"decode-side preparation: {s.prepare_ms:.2f} ms; time to first token on decode: "
-              f"{s.ttft_ms:.1f} ms")
+        print(f"decode-side preparation: {s.prepare_ms:.2f} ms; time to its first token (the "
+              f"answer's second): {s.ttft_ms:.1f} ms")
         print(f"KV tokens pulled over NIXL: {s.kv_tokens_pulled}; from decode's own cache: "
               f"{s.kv_tokens_local}")
     finally:

@@ -1,7 +1,9 @@
-"""The three ways a test runs one request (handoff, aggregated, full-media P/D), and the block
-hashes an engine published for a prompt."""
+"""The three ways a test runs one request (handoff, aggregated, full-media P/D), the block
+hashes an engine published for a prompt, and the prefill engine's KV usage."""
 
 from __future__ import annotations
+
+import time
 
 import msgspec
 
@@ -15,11 +17,14 @@ def greedy(max_tokens: int = 32, **kw) -> Sampling:
     return Sampling(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-async def handoff_run(prefill, decode, request_id, messages, sampling):
-    handoff, _ = await prefill.handoff(
-        PrefillRequest(request_id=request_id, messages=messages, sampling=sampling))
+async def handoff_run(prefill, decode, request_id, messages, sampling, first_token=True):
+    """The whole answer through the handoff: prefill's first token, then decode's (with
+    `first_token` False, the older contract: decode's alone)."""
+    handoff, _ = await prefill.handoff(PrefillRequest(
+        request_id=request_id, messages=messages, sampling=sampling, first_token=first_token))
     tokens, last = await collect(decode.generate(handoff))
-    return tokens, last, handoff
+    first = [handoff.first_token] if handoff.first_token is not None else []
+    return [*first, *tokens], last, handoff
 
 
 async def agg_run(prefill, full_engine, request_id, messages, sampling):
@@ -62,3 +67,27 @@ def published_chain(events, token_ids, block_size=32):
         found.append(parent)
     return found
 
+
+
+def prefill_kv_usage(loop, engine, load, tag):
+    """Run one tiny text request so the engine steps (and frees what it may); its KV usage."""
+    from vllm import SamplingParams
+
+    async def poke():
+        async for _ in engine.llm.generate({"prompt": "hi"}, SamplingParams(max_tokens=1), tag):
+            pass
+
+    loop.run(poke())
+    return load.kv_cache_usage
+
+
+def wait_for_prefill_kv(loop, engines, predicate, timeout):
+    """Whether the prefill engine's KV usage meets `predicate` within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    i = 0
+    while time.monotonic() < deadline:
+        i += 1
+        if predicate(prefill_kv_usage(loop, engines.prefill, engines.prefill_load, f"poke-{i}")):
+            return True
+        time.sleep(0.25)
+    return False

@@ -85,7 +85,7 @@ def test_router_passes_handoffs_and_errors_through(loop, dynamo):
         (second,) = loop.run(_all(call(p, msgspec.to_builtins(request))))
         routed = [t for c in loop.run(_all(call(r, first["handoff"]))) for t in c["token_ids"]]
         direct = [t for c in loop.run(_all(call(d, second["handoff"]))) for t in c["token_ids"]]
-        assert routed == direct and len(routed) == 8
+        assert routed == direct and len(routed) == 7  # after prefill's first token
         with pytest.raises(RemoteError) as err:
             loop.run(_all(call(r, dict(first["handoff"], kv_transfer_params={}))))
         assert err.value.code == "kv_coverage" and err.value.message.startswith("request")
@@ -113,7 +113,8 @@ def test_full_media_arm_endpoint_handlers(loop, dynamo, engines):
 
     (h,) = loop.run(_all(call(p, msgspec.to_builtins(msgspec.structs.replace(
         request, request_id="dyn-f2")))))
-    handoff = [t for c in loop.run(_all(call(d, h["handoff"]))) for t in c["token_ids"]]
+    handoff = [h["first"]["token_id"]] + [  # prefill's token, then decode's
+        t for c in loop.run(_all(call(d, h["handoff"]))) for t in c["token_ids"]]
     assert full == handoff and len(full) == 8
 
 

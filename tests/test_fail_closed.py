@@ -54,7 +54,7 @@ def _healthy(loop, prefill, engines, decode_engine, tag):
 
     async def run():
         h = await _handoff(prefill, f"healthy-{tag}", 900, s)
-        return (await collect(decode.generate(h)))[0]
+        return [h.first_token, *(await collect(decode.generate(h)))[0]]
 
     assert loop.run(run()) == loop.run(agg_run(prefill, engines.full, f"healthy-{tag}",
                                                _messages(900), s))
@@ -121,5 +121,64 @@ def test_preemption_that_drops_image_kv(loop, prefill, engines, fault_engine):
     done = [r for r in results if not isinstance(r, BaseException)]
     assert len(errors) == 1 and isinstance(errors[0], KVCoverageError), results
     assert errors[0].cause.startswith("preempted")
-    assert len(done) == 1 and len(done[0][0]) == 260
+    assert len(done) == 1 and len(done[0][0]) == 259  # after prefill's first token
     _healthy(loop, prefill, engines, fault_engine, "preempt")
+
+
+def test_a_retry_after_an_injected_kv_failure_continues_from_the_first_token(
+        loop, prefill, engines, fault_engine):
+    """Through the frontend: prefill's first token goes out, decode's KV load fails (injected,
+    as NIXL reports it), the frontend sends prefill the prompt followed by that token, and the
+    answer goes on: equal to agg's, no token twice, and prefill holds no blocks afterwards."""
+    import json
+    import urllib.request
+
+    from mmhandoff.agg.worker import AggWorker
+    from mmhandoff.decode.worker import ERRORS as DECODE_ERRORS
+    from mmhandoff.frontend.app import Frontend
+    from mmhandoff.prefill.worker import ERRORS as PREFILL_ERRORS
+    from tests.conftest import serve_app
+    from tests.flows import prefill_kv_usage, wait_for_prefill_kv
+    from tests.local_plane import LocalClient
+
+    decode, handoffs = DecodeWorker(fault_engine, kv_deadline_s=30), []
+
+    async def failing_once(handoff):  # the first handoff's pull is reported failed
+        if not handoffs:
+            handoff = dict(handoff, request_id="inject-load-failure-retry")
+        handoffs.append(handoff)
+        async for item in decode.handle(handoff):
+            yield item
+
+    base = prefill_kv_usage(loop, engines.prefill, engines.prefill_load, "retry-base")
+    runner = Frontend(LocalClient(prefill.handle, PREFILL_ERRORS),
+                      LocalClient(failing_once, DECODE_ERRORS), "tiny-llava").runner()
+    url = serve_app(loop, runner)
+    uri = data_uri(encode(make_image(200, 150, 905)))
+    body = {"model": "tiny-llava", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": uri}},
+                {"type": "text", "text": "What is this?"}]}]}
+    try:
+        request = urllib.request.Request(url + "/v1/chat/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            events = [json.loads(line[6:]) for line in r.read().decode().split("\n\n")
+                      if line.startswith("data: {")]
+    finally:
+        loop.run(runner.cleanup())
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    (stats,) = [e["mmhandoff"] for e in events if "mmhandoff" in e]
+
+    async def agg_text():
+        chunks = AggWorker(engines.full).generate(PrefillRequest(
+            request_id="retry-agg", messages=chat("What is this?", uri),
+            sampling=greedy(12, ignore_eos=True)))
+        return "".join([c.text async for c in chunks])
+
+    assert text == loop.run(agg_text())
+    assert stats["retries"] == 1 and len(handoffs) == 2
+    assert handoffs[1]["first_token"] is not None and handoffs[0]["first_token"] is not None
+    assert len(handoffs[1]["token_ids"]) == len(handoffs[0]["token_ids"]) + 1  # the first token
+    assert wait_for_prefill_kv(loop, engines, lambda u: u <= base, timeout=1.0)

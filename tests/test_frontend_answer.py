@@ -19,7 +19,9 @@ from mmhandoff.wire.handoff import Features, Handoff, Sampling
 from mmhandoff.wire.messages import (
     DecodeChunk,
     DecodeStats,
+    FirstToken,
     PrefillAnswer,
+    PrefillRequest,
     PrefillStats,
 )
 from tests.conftest import serve_app
@@ -59,13 +61,17 @@ class Scripted:
         return stream()
 
 
-def handoff_answer(rid="r") -> dict:
-    h = Handoff(v=1, request_id=rid, model_fingerprint="f", token_ids=[1, 2, 3],
+def handoff_answer(rid="r", prompt_tokens=3, first: FirstToken | None = None) -> dict:
+    """Prefill's answer: by default the older contract's (no first token: decode samples it)."""
+    h = Handoff(v=2, request_id=rid, model_fingerprint="f", token_ids=[1, 2, 3],
                 features=Features(mm_hashes={}, mm_placeholders={}), requires_kv=True,
-                kv_transfer_params={}, sampling=Sampling())
-    stats = PrefillStats(images=0, image_bytes=0, prompt_tokens=3, prepare_ms=1.0,
+                kv_transfer_params={}, sampling=Sampling(max_tokens=16),
+                first_token=None if first is None else first.token_id)
+    stats = PrefillStats(images=0, image_bytes=0, prompt_tokens=prompt_tokens, prepare_ms=1.0,
                          prefill_ms=2.0)
-    return msgspec.to_builtins(PrefillAnswer(handoff=h, stats=stats))
+    ended = first is not None and first.finish_reason is not None
+    return msgspec.to_builtins(PrefillAnswer(first=first, handoff=None if ended else h,
+                                             stats=stats))
 
 
 def chunk(text, ids, finish=None, prompt_tokens=3) -> dict:
@@ -197,7 +203,7 @@ def test_a_lost_prefill_is_a_503_in_bounded_time(loop, script):
 def test_an_answer_migrates_when_its_decode_replica_is_lost(loop, stream):
     """Prefill gets the prompt again followed by the tokens already sent, with max_tokens for the
     rest; the client sees one answer, its usage counted as if nothing happened."""
-    prefill = Scripted([handoff_answer("a")], [handoff_answer("b")])
+    prefill = Scripted([handoff_answer("a")], [handoff_answer("b", prompt_tokens=5)])
     decode = Scripted([chunk("Hel", [5]), chunk("l", [6]), LOST],
                       [chunk("o", [7]), chunk("!", [8], "length", prompt_tokens=5)])
     status, got = ask(loop, prefill, decode, stream=stream, max_tokens=4,
@@ -283,3 +289,60 @@ def test_the_frontends_alive_answer_is_its_wire_type(loop):
 
     (item,) = loop.run(answers())
     assert msgspec.convert(item, Alive) == Alive(alive=True)
+
+
+FIRST = FirstToken(token_id=5, text="Hel")
+
+
+def test_prefills_first_token_is_streamed_and_decode_continues_after_it(loop):
+    prefill = Scripted([handoff_answer(first=FIRST)])
+    decode = Scripted([chunk("lo", [6], "length", prompt_tokens=3)])
+    status, events = ask(loop, prefill, decode, stream=True)
+    assert status == 200 and events[-1] == "[DONE]"
+    first, rest = json.loads(events[0]), [json.loads(e) for e in events[1:-1]]
+    assert first["choices"][0]["delta"] == {"content": "Hel"}  # prefill's, before decode's
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in rest) == "lo"
+    assert decode.requests[0]["first_token"] == 5
+    status, got = ask(loop, Scripted([handoff_answer(first=FIRST)]), Scripted(
+        [chunk("lo", [6], "length", prompt_tokens=3)]))
+    assert got["choices"][0]["message"]["content"] == "Hello"
+    assert got["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_a_retry_after_the_first_token_continues_from_it(loop):
+    """Decode failed closed after prefill's token went out: prefill gets the prompt followed by
+    that token, with max_tokens for the rest, and its token is the answer's second; the client
+    never sees a token twice."""
+    second = FirstToken(token_id=6, text="l")
+    prefill = Scripted([handoff_answer("a", first=FIRST)],
+                       [handoff_answer("b", prompt_tokens=4, first=second)])
+    decode = Scripted([envelope("kv_coverage", "server")],
+                      [chunk("o", [7], "length", prompt_tokens=4)])
+    status, got = ask(loop, prefill, decode, max_tokens=3)
+    assert status == 200 and got["choices"][0]["message"]["content"] == "Hello"
+    assert got["mmhandoff"]["retries"] == 1 and got["mmhandoff"]["migrations"] == 0
+    assert prefill.requests[1]["continuation"] == [5]
+    assert prefill.requests[1]["sampling"]["max_tokens"] == 2
+    assert got["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+def test_a_handoff_whose_client_left_after_the_first_token_still_reaches_decode(loop):
+    """Closed right after prefill's token (the client went away as it was written): decode
+    still gets the handoff, and pulling it frees prefill's blocks before their lease ends."""
+    decode = Scripted([chunk("lo", [6], "length")])
+    frontend = Frontend(Scripted([handoff_answer(first=FIRST)]), decode, MODEL)
+    request = PrefillRequest(request_id="r", prompt="Hi")
+
+    async def leave_after_first():
+        chunks = frontend._decode(request)
+        got, _, from_decode = await anext(chunks)
+        await chunks.aclose()
+        for _ in range(100):  # the hand-over runs in the background
+            if decode.requests:
+                break
+            await asyncio.sleep(0.01)
+        return got, from_decode
+
+    got, from_decode = loop.run(leave_after_first())
+    assert (got.token_ids, from_decode) == ([5], False)
+    assert decode.requests == [handoff_answer(first=FIRST)["handoff"]]

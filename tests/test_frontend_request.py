@@ -137,6 +137,11 @@ BAD_CASES = {
     "temperature true": (chat_body(GOOD, temperature=True), 400, "invalid_sampling"),
     "top_p 2": (chat_body(GOOD, top_p=2), 400, "invalid_sampling"),
     "top_p 0": (chat_body(GOOD, top_p=0), 400, "invalid_sampling"),
+    "stop_token_ids not a list": (chat_body(GOOD, stop_token_ids=2), 400, "invalid_sampling"),
+    "stop_token_ids negative": (chat_body(GOOD, stop_token_ids=[-1]), 400, "invalid_sampling"),
+    "stop_token_ids a string": (chat_body(GOOD, stop_token_ids=["2"]), 400, "invalid_sampling"),
+    "stop_token_ids too many": (chat_body(GOOD, stop_token_ids=list(range(65))), 400,
+                                "invalid_sampling"),
 }
 
 
@@ -216,7 +221,7 @@ def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
 
 
 UNAPPLIED_CASES = [("n", 2), ("best_of", 3), ("stop", "\n"), ("stop", ["a"]),
-                   ("stop_token_ids", [2]), ("logprobs", True), ("top_logprobs", 5),
+                   ("logprobs", True), ("top_logprobs", 5),
                    ("echo", True), ("presence_penalty", 0.5), ("frequency_penalty", -1),
                    ("repetition_penalty", 1.2), ("logit_bias", {"5": 10}), ("min_tokens", 4),
                    ("top_k", 5), ("min_p", 0.1), ("response_format", {"type": "json_object"}),

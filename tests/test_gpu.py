@@ -23,7 +23,7 @@ from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image, start
 from tests.fault_connector import MARK
 from tests.flows import agg_run, full_media_run, greedy, handoff_run, published_chain
-from tests.test_handoff_flow import _wait_for, continued, streamed
+from tests.test_handoff_flow import _wait_for, continued, whole_answer
 
 pytestmark = pytest.mark.gpu
 
@@ -141,9 +141,8 @@ def test_an_answer_continued_from_its_first_tokens_on_a_gpu(loop, workers):
     prefill, decode, _ = workers
     messages = chat("Describe it.", data_uri(encode(make_image(640, 480, 7), "JPEG"),
                                              "image/jpeg"))
-    handoff, _ = loop.run(prefill.handoff(PrefillRequest(
-        request_id="gpu-whole", messages=messages, sampling=greedy(16, ignore_eos=True))))
-    whole = loop.run(streamed(decode.generate(handoff)))
+    whole = whole_answer(loop, prefill, decode, PrefillRequest(
+        request_id="gpu-whole", messages=messages, sampling=greedy(16, ignore_eos=True)))
     for k in (1, 7):
         rest = continued(loop, prefill, decode, messages, whole, k)
         assert whole[k:] == rest or (  # the same tokens; text per chunk may group differently

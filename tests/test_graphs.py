@@ -180,7 +180,12 @@ def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers):
                   frontend_args=ALLOW_LOOPBACK_IMAGES)
     with graph.failing_loudly():
         questions = _questions(image_server)
-        _check_equal_to_agg(_answers(graph.url, questions), agg_answers)
+        answers = _answers(graph.url, questions)
+        _check_equal_to_agg(answers, agg_answers)
+        # the first token is prefill's: the frontend had delivered it before decode admitted
+        # the handoff (the components' own clocks, one host)
+        for *_, stats in answers.values():
+            assert 0 < stats["first_token_at"] < stats["admitted_at"], stats
         assert any(line.startswith("[decode-0]") for line in graph.log)
         health = graph.health_urls()  # every replica reports ready (workers: Dynamo's server)
         assert sorted(health) == ["decode-0", "frontend-0", "prefill-0"]
@@ -291,18 +296,20 @@ def test_ctrl_c_while_the_graph_starts(tmp_path):
         assert any("[serve] stopped" in line for line in graph.log)
 
 
-def _stream_outcome(stream, on_first_token) -> tuple:
+def _stream_outcome(stream, on_decode_token) -> tuple:
     """("whole", text, finish_reason) or ("error", error body, text so far) for one stream; an
-    answer that just stops (no finish_reason, no error event) is ("short", text, None)."""
-    text, finish, first = "", None, True
+    answer that just stops (no finish_reason, no error event) is ("short", text, None).
+    `on_decode_token` is called at the stream's second chunk: the first that decode sent (the
+    first is prefill's token)."""
+    text, finish, chunks = "", None, 0
     try:
         for c in stream:
             if c.choices:
                 text += c.choices[0].delta.content or ""
                 finish = c.choices[0].finish_reason or finish
-            if first:
-                first = False
-                on_first_token()
+            chunks += 1
+            if chunks == 2:
+                on_decode_token()
     except openai.APIError as e:
         return "error", e.body, text
     return ("whole" if finish else "short"), text, finish
@@ -330,14 +337,14 @@ def _killed_mid_stream(graph: Graph, messages, victim: str, other: str, agg_fp32
     stops; serve restarts the victim.
 
     The kill lands mid-stream by construction, not by timing: `other`, the victim's one sibling,
-    is stopped (SIGSTOP) while the streams start, so the first token any client sees came
-    through the victim, which is killed at once, one token into a LONG-token answer; then
-    `other` goes on (SIGCONT)."""
-    first_token = threading.Event()
+    is stopped (SIGSTOP) while the streams start, so the first token from decode any client sees
+    (its second: the first is prefill's) came through the victim, which is killed at once, two
+    tokens into a LONG-token answer; then `other` goes on (SIGCONT)."""
+    decode_token = threading.Event()
     outcomes: list = [None] * 8
 
     def one(i: int) -> None:
-        outcomes[i] = _stream_outcome(_long(graph.url, messages), first_token.set)
+        outcomes[i] = _stream_outcome(_long(graph.url, messages), decode_token.set)
 
     pids = graph.replica_pids()
     os.kill(pids[other], signal.SIGSTOP)
@@ -345,7 +352,7 @@ def _killed_mid_stream(graph: Graph, messages, victim: str, other: str, agg_fp32
         threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
-        assert first_token.wait(timeout=120)  # through the victim: its sibling is stopped
+        assert decode_token.wait(timeout=120)  # through the victim: its sibling is stopped
         os.kill(pids[victim], signal.SIGKILL)
     finally:
         os.kill(pids[other], signal.SIGCONT)

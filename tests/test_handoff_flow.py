@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
 from mmhandoff.agg.worker import AggWorker
 from mmhandoff.decode.full_media import FullMediaDecodeWorker
 from mmhandoff.decode.worker import DecodeWorker
 from mmhandoff.prefill.worker import PrefillWorker
+from mmhandoff.wire.handoff import Sampling
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import agg_run, full_media_run, greedy, handoff_run, published_chain
@@ -46,6 +48,23 @@ def test_parity_handoff_agg_full_media(loop, workers, engines, case):
     # the decode tier got metadata only: one hash and one span per image, no pixels
     assert len(handoff.features.mm_hashes["image"]) == len(blobs)
     assert last.stats.request_bytes < 4096 < sum(map(len, blobs))
+
+
+def test_a_seeded_answer_is_deterministic_and_starts_with_aggs_token(loop, workers, engines):
+    """Sampling with a seed (docs/architecture.md, "The answer's first token"): the same seed
+    gives the same answer; its first token (prefill's draw) is agg's; from the second on it may
+    differ from agg's, since decode's generator starts afresh where agg's had drawn once."""
+    prefill, decode, _ = workers
+    messages = chat("Tell me.", data_uri(encode(make_image(160, 120, 79))))
+    s = Sampling(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    runs = [loop.run(handoff_run(prefill, decode, f"seeded-{i}", messages, s))[0]
+            for i in range(2)]
+    agg = loop.run(agg_run(prefill, engines.full, "seeded-agg", messages, s))
+    assert runs[0] == runs[1] and len(runs[0]) == 12
+    assert runs[0][0] == agg[0]
+    other = loop.run(handoff_run(prefill, decode, "seeded-other", messages,
+                                 msgspec.structs.replace(s, seed=8)))[0]
+    assert other != runs[0]  # the seed matters
 
 
 def test_different_images_give_different_answers(loop, workers):
@@ -120,19 +139,62 @@ def test_decode_engine_has_no_vision_tower(loop, engines):
     assert loop.run(engines.full.llm.collective_rpc(tower)) != ["StageMissingLayer"]
 
 
-def test_an_answer_that_ends_at_its_first_token(loop, workers, engines):
-    """Prefill's one token stops the answer (a stop token here; EOS alike). vLLM's NIXL producer
-    still holds the blocks and names them (it does for stopped requests too); decode pulls them
-    (which releases them on prefill) and regenerates the same token: the answer equals one
-    engine's."""
+def test_the_older_contract_answers_as_agg_when_its_first_token_stops_it(loop, workers, engines):
+    """Decode samples the first token (`first_token` False): prefill's one token stops the
+    answer (a stop token here; EOS alike), vLLM's NIXL producer still holds the blocks and names
+    them (it does for stopped requests too); decode pulls them (which releases them on prefill)
+    and regenerates the same token: the answer equals one engine's."""
     prefill, decode, _ = workers
     messages = chat("Say nothing.", data_uri(encode(make_image(96, 96, 77))))
     first = loop.run(agg_run(prefill, engines.full, "stop-first", messages, greedy(4)))[0]
     s = greedy(4, stop_token_ids=[first])
     reference = loop.run(agg_run(prefill, engines.full, "stop-agg", messages, s))
-    tokens, last, _ = loop.run(handoff_run(prefill, decode, "stop", messages, s))
+    tokens, last, h = loop.run(handoff_run(prefill, decode, "stop", messages, s, first_token=False))
     assert (tokens, last.finish_reason) == (reference, "stop") == ([first], "stop")
+    assert last.stats.kv_tokens_pulled > 0 and h.first_token is None
+
+
+def test_a_prompt_that_fills_its_last_block_exactly(loop, workers, engines):
+    """Decode's prompt is prefill's plus the first token: one block longer than what prefill
+    holds when prefill's prompt ends on a block boundary. The connector pulls prefill's blocks
+    only (PULLED_TOKENS_KEY) and the answer equals agg's."""
+    prefill, decode, _ = workers
+    uri = data_uri(encode(make_image(200, 150, 78)))
+    block = engines.decode.block_size
+
+    async def length(text: str) -> int:
+        request = PrefillRequest(request_id="len", messages=chat(text, uri))
+        images = await prefill.prompts.images(request)
+        return len((await engines.prefill.render(prefill.prompts.text(request), images)).token_ids)
+
+    # one more "?" is one more token (the tiny model's byte-level tokenizer)
+    text = next(t for t in ("?" * k for k in range(1, 2 * block))
+                if loop.run(length(t)) % block == 0)
+    messages = chat(text, uri)
+    s = greedy(12, ignore_eos=True)
+    tokens, last, h = loop.run(handoff_run(prefill, decode, "exact", messages, s))
+    assert len(h.token_ids) % block == 0
+    assert tokens == loop.run(agg_run(prefill, engines.full, "exact-agg", messages, s))
+    # every position prefill computed came from KV (pulled, or decode's own cache)
+    assert last.stats.kv_tokens_pulled + last.stats.kv_tokens_local == len(h.token_ids)
     assert last.stats.kv_tokens_pulled > 0
+    assert last.stats.prompt_tokens == len(h.token_ids)  # the first token is the answer's
+
+
+def test_an_image_rendered_but_never_submitted_does_not_fail_the_next_request(
+        loop, workers, engines):
+    """vLLM's renderer marks an image as sent to the engine when it renders it; a prompt that is
+    rendered but never submitted (refused as too long, say) leaves the engine without it, and
+    the engine answers the next request with that image with a retryable error. Prefill renders
+    again (the renderer has dropped the mark) and the answer is agg's."""
+    prefill, decode, _ = workers
+    messages = chat("Again?", data_uri(encode(make_image(180, 120, 81))))
+    s = greedy(6, ignore_eos=True)
+    request = PrefillRequest(request_id="drift-render", messages=messages, sampling=s)
+    images = loop.run(prefill.prompts.images(request))
+    loop.run(engines.prefill.render(prefill.prompts.text(request), images))  # never submitted
+    tokens, _, _ = loop.run(handoff_run(prefill, decode, "drift", messages, s))
+    assert tokens == loop.run(agg_run(prefill, engines.full, "drift-agg", messages, s))
 
 
 async def streamed(chunks) -> list[tuple[int, str]]:
@@ -143,15 +205,23 @@ async def streamed(chunks) -> list[tuple[int, str]]:
     return out
 
 
+def whole_answer(loop, prefill, decode, request) -> list[tuple[int, str]]:
+    """(token, text) of every token of an answer: prefill's first, then decode's."""
+    answer = loop.run(prefill.prefill(request))
+    first = [(answer.first.token_id, answer.first.text)]
+    if answer.handoff is None:  # it ended at its first token
+        return first
+    return first + loop.run(streamed(decode.generate(answer.handoff)))
+
+
 def continued(loop, prefill, decode, messages, answer, k: int) -> list[tuple[int, str]]:
     """The rest of `answer` ((token, text) pairs) after its first k tokens, as a migrated request
-    gets it: prefill computes the prompt followed by them, decode goes on."""
+    gets it: prefill computes the prompt followed by them and samples the next token, decode
+    goes on."""
     request = PrefillRequest(request_id=f"mig-{k}", messages=messages,
                              sampling=greedy(len(answer) - k, ignore_eos=True),
                              continuation=[t for t, _ in answer[:k]])
-    handoff, _ = loop.run(prefill.handoff(request))
-    assert handoff.continued == k and len(handoff.token_ids) > k
-    return loop.run(streamed(decode.generate(handoff)))
+    return whole_answer(loop, prefill, decode, request)
 
 
 def test_an_answer_continued_from_its_first_tokens_goes_on_as_agg(loop, workers, engines):
@@ -165,7 +235,7 @@ def test_an_answer_continued_from_its_first_tokens_goes_on_as_agg(loop, workers,
     agg = loop.run(streamed(AggWorker(engines.full).generate(PrefillRequest(
         request_id="mig", messages=messages, sampling=greedy(n, ignore_eos=True)))))
     assert len(agg) == n
-    for k in (1, 2, 3, 5, 8, 13):
+    for k in (0, 1, 2, 3, 5, 8, 13):  # 0: the whole answer, prefill's token and decode's
         rest = continued(loop, prefill, decode, messages, agg, k)
         assert [t for t, _ in agg[k:]] == [t for t, _ in rest], k
         assert "".join(x for _, x in agg) == "".join(x for _, x in agg[:k] + rest), k

@@ -140,7 +140,8 @@ def _wire(d: dict) -> bytes:
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(offset=6), SpanReachesFinalToken),
     (lambda d: d["features"]["mm_hashes"].update(image=["a", "b"]), FeatureMismatch),
     (lambda d: d["features"]["mm_hashes"].update(video=["a"]), FeatureMismatch),
-    (lambda d: d.update(v=2), UnsupportedVersion),
+    (lambda d: d.update(v=3), UnsupportedVersion),
+    (lambda d: d.update(v=0), UnsupportedVersion),
     (lambda d: d.update(v="1"), UnsupportedVersion),
     (lambda d: d.pop("v"), UnsupportedVersion),
     (lambda d: d.update(token_ids=[]), MalformedHandoff),
@@ -149,12 +150,25 @@ def _wire(d: dict) -> bytes:
     (lambda d: d.update(extra_field=1), MalformedHandoff),
     (lambda d: d.update(continued=-1), MalformedHandoff),
     (lambda d: d.update(continued=len(d["token_ids"])), MalformedHandoff),  # no prompt left
+    (lambda d: d.update(first_token=-1), MalformedHandoff),
+    (lambda d: d.update(first_token=5, v=1), MalformedHandoff),  # a v2 field
+    (lambda d: d.update(first_token=5, sampling={"max_tokens": 1}), MalformedHandoff),
 ])
 def test_each_structural_rule_has_its_error(mutate, error):
     d = _raw(_good())
     mutate(d)
     with pytest.raises(error):
         decode_handoff(_wire(d))
+
+
+def test_version_1_stays_readable():
+    """A decode tier upgraded before prefill keeps taking the older prefill's handoffs (no
+    first token: decode samples it)."""
+    d = _raw(_good(v=1))
+    d.pop("first_token")
+    h = decode_handoff(_wire(d))
+    assert (h.v, h.first_token) == (1, None)
+    assert decode_handoff(encode_handoff(_good(first_token=7))).first_token == 7
 
 
 def test_not_a_map_is_malformed():

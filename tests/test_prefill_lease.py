@@ -6,25 +6,14 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm import SamplingParams
 
 from mmhandoff.decode.worker import DecodeWorker, collect
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, engine_cpu_s, free_port, make_image, start
-from tests.flows import greedy
+from tests.flows import agg_run, greedy, prefill_kv_usage, wait_for_prefill_kv
 
 pytestmark = pytest.mark.engine
-
-
-def _usage_after_step(loop, engine, load, tag):
-    """Run one tiny text request so the engine steps (and frees what it may), return KV usage."""
-    async def poke():
-        async for _ in engine.llm.generate({"prompt": "hi"}, SamplingParams(max_tokens=1), tag):
-            pass
-
-    loop.run(poke())
-    return load.kv_cache_usage
 
 
 def _handoffs(loop, prefill, prefix, n):
@@ -36,27 +25,16 @@ def _handoffs(loop, prefill, prefix, n):
     return loop.run(run())
 
 
-def _wait_until(loop, engines, predicate, timeout):
-    deadline = time.monotonic() + timeout
-    i = 0
-    while time.monotonic() < deadline:
-        i += 1
-        if predicate(_usage_after_step(loop, engines.prefill, engines.prefill_load, f"poke-{i}")):
-            return True
-        time.sleep(0.25)
-    return False
-
-
 def test_blocks_freed_after_pull_and_after_lease(loop, engines):
     prefill = PrefillWorker(engines.prefill)
-    base = _usage_after_step(loop, engines.prefill, engines.prefill_load, "poke-base")
+    base = prefill_kv_usage(loop, engines.prefill, engines.prefill_load, "poke-base")
 
     # a burst that nobody pulls: held now, released once the lease ends
     _handoffs(loop, prefill, "unpulled", 6)
-    held = _usage_after_step(loop, engines.prefill, engines.prefill_load, "poke-held")
+    held = prefill_kv_usage(loop, engines.prefill, engines.prefill_load, "poke-held")
     assert held > base
     t0 = time.monotonic()
-    assert _wait_until(loop, engines, lambda u: u <= base, timeout=engines.lease_s + 20)
+    assert wait_for_prefill_kv(loop, engines, lambda u: u <= base, timeout=engines.lease_s + 20)
     assert time.monotonic() - t0 >= engines.lease_s - 2  # not before the lease either
 
     # pulled handoffs: released as soon as decode has read them, well before the lease
@@ -64,8 +42,27 @@ def test_blocks_freed_after_pull_and_after_lease(loop, engines):
     for h in _handoffs(loop, prefill, "pulled", 3):
         loop.run(collect(decode.generate(h)))
     t0 = time.monotonic()
-    assert _wait_until(loop, engines, lambda u: u <= base, timeout=engines.lease_s)
+    assert wait_for_prefill_kv(loop, engines, lambda u: u <= base, timeout=engines.lease_s)
     assert time.monotonic() - t0 < engines.lease_s - 2
+
+
+def test_an_answer_ending_at_its_first_token_holds_no_blocks(loop, engines):
+    """Prefill's token stops the answer (a stop token here; EOS alike), or the client asked for
+    one token: prefill answers with that token and no handoff, and holds nothing for a decode
+    that will not come: its KV usage is back at its baseline at once, not after the lease."""
+    prefill = PrefillWorker(engines.prefill)
+    messages = chat("Stop?", data_uri(encode(make_image(96, 96, 310))))
+    first = loop.run(agg_run(prefill, engines.full, "first-ref", messages, greedy(1)))[0]
+    base = prefill_kv_usage(loop, engines.prefill, engines.prefill_load, "poke-first-base")
+    for n, (sampling, finish) in enumerate(((greedy(4, stop_token_ids=[first]), "stop"),
+                                            (greedy(1), "length"))):
+        answer = loop.run(prefill.prefill(PrefillRequest(
+            request_id=f"first-{n}", messages=messages, sampling=sampling)))
+        assert answer.handoff is None
+        assert (answer.first.token_id, answer.first.finish_reason) == (first, finish)
+        t0 = time.monotonic()
+        assert wait_for_prefill_kv(loop, engines, lambda u: u <= base, timeout=1.0), finish
+        assert time.monotonic() - t0 < engines.lease_s / 2
 
 
 def test_held_blocks_do_not_keep_the_engine_busy(loop, engines):
@@ -79,7 +76,7 @@ def test_held_blocks_do_not_keep_the_engine_busy(loop, engines):
     used = engine_cpu_s(engines.prefill) - before
     # and the handoff is still there to pull: decode answers as one engine would
     tokens, last = loop.run(collect(DecodeWorker(engines.decode).generate(handoff)))
-    assert len(tokens) == 4 and last.finish_reason == "length"
+    assert len(tokens) == 3 and last.finish_reason == "length"  # after prefill's first
     assert used < 0.3, f"prefill's engine used {used:.2f} CPU-s in 0.8 s holding one handoff"
 
 

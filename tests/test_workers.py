@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from contextlib import aclosing
 import urllib.error
 import urllib.request
 
@@ -60,8 +61,10 @@ def run(loop, coro, timeout=30):
 
 
 async def handoff_answer(prefill, decode, request):
+    """The whole answer: prefill's first token, then decode's."""
     handoff, _ = await prefill.handoff(request)
-    return await collect(decode.generate(encode_handoff(handoff)))
+    tokens, last = await collect(decode.generate(encode_handoff(handoff)))
+    return [handoff.first_token, *tokens], last
 
 
 def test_the_handoff_answer_equals_agg_and_depends_on_the_image(loop):
@@ -255,6 +258,74 @@ def test_the_frontend_retries_through_prefill_when_decode_fails_closed(loop, gra
     assert status == 200, raw
     assert json.loads(raw)["mmhandoff"]["retries"] == 1
     assert (p.requests, d.requests) == (2, 2)
+    # prefill's first token had gone out: the retry continued from it, so the client got each
+    # token once, the answer agg gives
+    reference = _agg_text(loop, IMAGES[0], 5)
+    assert json.loads(raw)["choices"][0]["message"]["content"] == reference
+    assert not prefill.engine.kv.blocks and not decode.engine.running
+
+
+def _agg_text(loop, uri: str, max_tokens: int) -> str:
+    return "".join(f" w{t}" for t in _agg_tokens(loop, uri, max_tokens))
+
+
+def _agg_tokens(loop, uri: str, max_tokens: int) -> list[int]:
+    return run(loop, collect(AggWorker(FakeEngine()).generate(PrefillRequest(
+        request_id="ref", messages=[user("What is it?", uri)], sampling=greedy(max_tokens)))))[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_first_token_comes_from_prefill_before_decode_admits(loop, graph, stream):
+    url, prefill, decode, p, d = graph
+    status, raw = _post(url + "/v1/chat/completions", _chat_body(stream, IMAGES[1]))
+    assert status == 200, raw
+    if stream:
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+                  if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+        (stats,) = [e["mmhandoff"] for e in events if "mmhandoff" in e]
+    else:
+        text, stats = json.loads(raw)["choices"][0]["message"]["content"], \
+            json.loads(raw)["mmhandoff"]
+    assert text == _agg_text(loop, IMAGES[1], 5)
+    # the frontend had delivered prefill's token before it asked decode for the rest
+    assert 0 < stats["first_token_at"] < stats["admitted_at"]
+    assert (p.requests, d.requests) == (1, 1)
+
+
+@pytest.mark.parametrize("how", ["max_tokens 1", "stop token"])
+def test_an_answer_ending_at_its_first_token_never_reaches_decode(loop, graph, how):
+    url, prefill, decode, p, d = graph
+    first = _agg_tokens(loop, IMAGES[0], 1)[0]
+    body = (_chat_body(False, IMAGES[0], max_tokens=1) if how == "max_tokens 1" else
+            {**_chat_body(False, IMAGES[0]), "stop_token_ids": [first]})
+    status, raw = _post(url + "/v1/chat/completions", body)
+    assert status == 200, raw
+    got = json.loads(raw)
+    finish = "length" if how == "max_tokens 1" else "stop"
+    assert got["choices"][0]["finish_reason"] == finish
+    assert got["choices"][0]["message"]["content"] == ("" if finish == "stop" else f" w{first}")
+    assert got["usage"]["completion_tokens"] == 1 and got["usage"]["prompt_tokens"] > 0
+    assert d.requests == 0 and got["mmhandoff"]["admitted_at"] == 0
+    assert not prefill.engine.kv.blocks  # nothing held for a decode that will not come
+
+
+def test_the_older_contract_lets_decode_sample_the_first_token(loop):
+    kv = FakeKV()
+    prefill, decode = tiers(kv)
+    p = LocalClient(prefill.handle, PREFILL_ERRORS)
+    d = LocalClient(decode.handle, DECODE_ERRORS)
+    runner = Frontend(p, d, MODEL, first_token_from="decode").runner()
+    url = serve_app(loop, runner)
+    try:
+        status, raw = _post(url + "/v1/chat/completions", _chat_body(False, IMAGES[1]))
+        assert status == 200, raw
+        got = json.loads(raw)
+        assert got["choices"][0]["message"]["content"] == _agg_text(loop, IMAGES[1], 5)
+        assert got["mmhandoff"]["first_token_at"] > got["mmhandoff"]["admitted_at"] > 0
+        assert got["usage"]["prompt_tokens"] == got["mmhandoff"]["kv_tokens_pulled"]
+    finally:
+        loop.run(runner.cleanup())
 
 
 def test_a_prompt_the_engine_refuses_is_a_400_and_nothing_is_left_running(loop, graph):
@@ -276,7 +347,7 @@ def test_signed_handoffs_are_taken_once_and_only_with_a_key_decode_has(loop):
         with pytest.raises(error):  # another key; or a decode that takes a checksum only
             run(loop, collect(decode.generate(handoff)))
     decode = DecodeWorker(FakeEngine(role="decode", kv=kv), keys=[b"x" * 32, b"k" * 32])
-    assert len(run(loop, collect(decode.generate(handoff)))[0]) == 6
+    assert len(run(loop, collect(decode.generate(handoff)))[0]) == 5  # after prefill's first
     with pytest.raises(Replayed):  # the same handoff again
         run(loop, collect(decode.generate(handoff)))
     unsigned, _ = run(loop, PrefillWorker(FakeEngine(role="prefill", kv=kv)).handoff(
@@ -284,3 +355,28 @@ def test_signed_handoffs_are_taken_once_and_only_with_a_key_decode_has(loop):
     with pytest.raises(Unsigned):
         run(loop, collect(decode.generate(unsigned)))
     assert not decode.engine.running
+
+
+@pytest.mark.parametrize("keys", [(), (b"k" * 32,)])
+def test_decode_warms_up_through_its_whole_path(loop, keys):
+    """Before it reports ready (serving.launch): one short answer through admission (signed
+    when decode takes signed handoffs only), the continuation after a first token, the engine;
+    nothing is left running and the worker then serves as usual."""
+    kv = FakeKV()
+    decode = DecodeWorker(FakeEngine(role="decode", kv=kv), keys=keys)
+    steps = []
+    real_generate = decode.engine.generate
+
+    async def recorded(request, request_id):
+        async with aclosing(real_generate(request, request_id)) as real:
+            async for step in real:
+                steps.append(step)
+                yield step
+
+    decode.engine.generate = recorded
+    run(loop, decode.warm_up())
+    assert [s.finish_reason for s in steps] == [None, "length"]  # 3 tokens, the first given
+    assert not decode.engine.running and len(decode.replays) == len(keys)
+    prefill = PrefillWorker(FakeEngine(role="prefill", kv=kv), key=keys[0] if keys else None)
+    handoff, _ = run(loop, prefill.handoff(ask("After warm-up?", IMAGES[0])))
+    assert len(run(loop, collect(decode.generate(handoff)))[0]) == 5

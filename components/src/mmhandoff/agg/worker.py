@@ -56,10 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmhandoff.prefill.worker import ERRORS
     from mmhandoff.serving.launch import run
 
-    def make_handler(engine, args):
-        return AggWorker(engine).handle
-
-    return run("agg", "agg", ENDPOINT, make_handler, ERRORS, argv)
+    return run("agg", "agg", ENDPOINT, lambda engine, args: AggWorker(engine), ERRORS, argv)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,12 @@ class KVCoverageError(RuntimeError):
 
 async def stream_answer(engine: Engine, request: Any, request_id: str, engine_request_id: str, *,
                         kv_deadline_s: float | None, request_bytes: int, prepare_ms: float,
-                        t0: float) -> AsyncIterator[DecodeChunk]:
+                        t0: float, admitted_at: float = 0.0,
+                        sent_in_prompt: int = 0) -> AsyncIterator[DecodeChunk]:
     """`kv_deadline_s` bounds the wait for the first token (the KV pull happens before it);
-    None: no bound (nothing to pull). `t0`: when the caller got the request (perf_counter)."""
+    None: no bound (nothing to pull). `t0`: when the caller got the request (perf_counter);
+    `admitted_at`: when it admitted it (unix time). `sent_in_prompt`: answer tokens at the end of
+    the engine's prompt (prefill's first token) that the answer's usage counts as completion."""
     steps = engine.generate(request, engine_request_id)
     ttft_ms = None
     try:
@@ -52,7 +55,8 @@ async def stream_answer(engine: Engine, request: Any, request_id: str, engine_re
                 kv = step.kv_stats
                 stats = DecodeStats(
                     request_bytes=request_bytes, prepare_ms=prepare_ms, ttft_ms=ttft_ms,
-                    prompt_tokens=step.prompt_tokens, kv_tokens_local=kv.get("local", -1),
+                    admitted_at=admitted_at, prompt_tokens=step.prompt_tokens - sent_in_prompt,
+                    kv_tokens_local=kv.get("local", -1),
                     kv_tokens_pulled=kv.get("external", -1),
                     kv_positions_covered=kv.get("covered", -1))
             yield DecodeChunk(request_id=request_id, token_ids=step.token_ids, text=step.text,

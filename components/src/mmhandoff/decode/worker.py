@@ -1,4 +1,5 @@
 """Decode worker: admits a Handoff, pulls its KV through NIXL, streams tokens. Never sees media.
+With prefill's first token in the handoff (v2) it streams the answer from the second token on.
 
 Admission (mmhandoff.wire.handoff) refuses bad messages before the engine sees them. The engine's
 fail-closed scheduler refuses to compute any image position; when it does, or when the KV load
@@ -19,12 +20,15 @@ import msgspec
 from mmhandoff.decode.stream import KVCoverageError, collect, stream_answer
 from mmhandoff.engine import Engine, EngineInputError
 from mmhandoff.wire.handoff import (
+    VERSION,
     Handoff,
     HandoffError,
     ReplayGuard,
+    Sampling,
     check_admission,
     decode_handoff,
     encode_handoff,
+    sign,
 )
 from mmhandoff.wire.messages import DecodeChunk
 
@@ -60,15 +64,34 @@ class DecodeWorker:
     async def generate(self, message: Handoff | bytes) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
         handoff, size = self.admit(message)
+        admitted_at = time.time()
         engine_request_id = f"{handoff.request_id}:decode:{uuid.uuid4().hex[:8]}"
         request = await self.engine.kv_only(handoff, engine_request_id)
         prepare_ms = (time.perf_counter() - t0) * 1e3
         async with aclosing(stream_answer(
                 self.engine, request, handoff.request_id, engine_request_id,
                 kv_deadline_s=self.kv_deadline_s, request_bytes=size, prepare_ms=prepare_ms,
-                t0=t0)) as chunks:
+                t0=t0, admitted_at=admitted_at,
+                sent_in_prompt=handoff.first_token is not None)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    async def warm_up(self) -> None:
+        """One short answer through the whole decode path (admission, the metadata-only input,
+        the first token's continuation, the engine's first steps) before the worker reports
+        ready: a fresh decode's first request took 14.4 ms to prepare, the next ones 0.4-0.8."""
+        rendered = await self.engine.render("Warm up.", [])
+        handoff = Handoff(
+            v=VERSION, request_id=f"warm-up-{uuid.uuid4().hex[:8]}",
+            model_fingerprint=self.engine.fingerprint, token_ids=rendered.token_ids,
+            features=rendered.features, requires_kv=False, kv_transfer_params={},
+            sampling=Sampling(max_tokens=3, temperature=0.0, ignore_eos=True),
+            first_token=rendered.token_ids[-1])
+        if self.keys:
+            handoff = sign(handoff, self.keys[0], ttl_s=60.0)
+        async with aclosing(self.generate(encode_handoff(handoff))) as chunks:
+            async for _ in chunks:
+                pass
 
     async def handle(self, request: dict) -> AsyncIterator[dict]:
         """Dynamo endpoint handler: a handoff in its builtin form in, DecodeChunk dicts out."""
@@ -85,15 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     from mmhandoff.decode.full_media import FullMediaDecodeWorker, InvalidFullMedia
     from mmhandoff.serving.launch import run
 
-    def make_handler(engine, args):
+    def make_worker(engine, args):
         if args.full_media:
-            return FullMediaDecodeWorker(engine, kv_deadline_s=args.kv_deadline_s).handle
-        return DecodeWorker(engine, kv_deadline_s=args.kv_deadline_s,
-                            keys=args.handoff_keys).handle
+            return FullMediaDecodeWorker(engine, kv_deadline_s=args.kv_deadline_s)
+        return DecodeWorker(engine, kv_deadline_s=args.kv_deadline_s, keys=args.handoff_keys)
 
     return run("decode", lambda a: "full_media_decode" if a.full_media else "decode",
-               ENDPOINT, make_handler,
-               (*ERRORS, InvalidFullMedia), argv)
+               ENDPOINT, make_worker, (*ERRORS, InvalidFullMedia), argv)
 
 
 if __name__ == "__main__":

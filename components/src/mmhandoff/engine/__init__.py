@@ -24,6 +24,11 @@ from mmhandoff.media.images import LoadedImage
 from mmhandoff.wire.handoff import Features, Handoff, Sampling
 
 
+# In a prefill request's kv_transfer_params (with "do_remote_decode"): if its token stops the
+# answer, the engine frees the blocks at once and names none (no decode will pull them).
+RELEASE_ON_STOP_KEY = "mmhandoff_release_on_stop"
+
+
 class EngineInputError(ValueError):
     """The engine refuses a request as given (e.g. longer than the model's context): the
     client's fault when the request came from a client."""
@@ -83,10 +88,11 @@ class Engine(Protocol):
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
                 kv_transfer_params: dict[str, Any] | None = None,
-                cache_salt: str | None = None) -> Any:
+                cache_salt: str | None = None, continued: int = 0) -> Any:
         """A request for `rendered` (prefill, agg, and the full-media arm). `cache_salt` goes
         into its blocks' hashes, as it does on decode (`kv_only`): prefix-cache isolation, and
-        the same hashes on both engines."""
+        the same hashes on both engines. `continued`: the prompt's last tokens are an answer's
+        already sent (`extend`); the text streamed goes on from theirs."""
         ...
 
     def extend(self, rendered: Rendered, token_ids: list[int]) -> Rendered:
@@ -95,8 +101,9 @@ class Engine(Protocol):
         ...
 
     async def kv_only(self, handoff: Handoff, request_id: str) -> Any:
-        """A request that computes nothing the handoff's KV covers and has no media.
-        Raises EngineInputError when the engine's own input checks refuse it."""
+        """A request that computes nothing the handoff's KV covers and has no media; with the
+        handoff's `first_token`, it continues after that token. Raises EngineInputError when the
+        engine's own input checks refuse it."""
         ...
 
     def generate(self, request: Any, request_id: str) -> AsyncIterator[Step]:

@@ -8,12 +8,13 @@ engine tier runs the same paths on vLLM.
   far, image hashes), autoregressive like a model. An agg request and a handoff of the same
   prompt and images therefore give the same answer, different images give different answers,
   and a prompt extended by an answer's first k tokens (a migrated request) goes on with token
-  k + 1. Sampling settings other than max_tokens are not modelled.
+  k + 1. Sampling settings other than max_tokens and stop_token_ids are not modelled.
 - KV: engines built on one FakeKV share it, like engines that reach each other through NIXL. A
   prefill request (kv_transfer_params `do_remote_decode`) leaves its prompt's KV there under a
   fresh key; a request that names such a key takes it (once). A request whose key is not there,
   or a KV-only request with images and no key, ends as vLLM's fail-closed scheduler ends it:
-  finish reason "error" and a kv_failure.
+  finish reason "error" and a kv_failure. A prefill request that stops (a stop token) with
+  RELEASE_ON_STOP_KEY leaves nothing there, as the adapter's connector frees it.
 - Roles as in EngineSpec: a "decode" engine has no vision tower and refuses images.
 """
 
@@ -25,7 +26,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from mmhandoff.engine import Capabilities, EngineInputError, Rendered, Step
+from mmhandoff.engine import (
+    RELEASE_ON_STOP_KEY,
+    Capabilities,
+    EngineInputError,
+    Rendered,
+    Step,
+)
 from mmhandoff.media.images import LoadedImage
 from mmhandoff.wire.handoff import Features, Handoff, Sampling, Span
 
@@ -57,6 +64,8 @@ class FakeRequest:
     max_tokens: int
     kv_transfer_params: dict[str, Any] | None
     kv_only: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    sent_in_prompt: int = 0  # prefill's first token at the prompt's end: not pulled
 
 
 class FakeEngine:
@@ -105,10 +114,10 @@ class FakeEngine:
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
                 kv_transfer_params: dict[str, Any] | None = None,
-                cache_salt: str | None = None) -> FakeRequest:
+                cache_salt: str | None = None, continued: int = 0) -> FakeRequest:
         return FakeRequest(list(rendered.token_ids), list(rendered.engine_input),
                            sampling.max_tokens if max_tokens is None else max_tokens,
-                           kv_transfer_params)
+                           kv_transfer_params, stop_token_ids=list(sampling.stop_token_ids))
 
     def extend(self, rendered: Rendered, token_ids: list[int]) -> Rendered:
         ids = [*rendered.token_ids, *token_ids]
@@ -116,10 +125,14 @@ class FakeEngine:
         return Rendered(ids, rendered.features, rendered.engine_input)
 
     async def kv_only(self, handoff: Handoff, request_id: str) -> FakeRequest:
-        self._check_length(handoff.token_ids)
-        return FakeRequest(list(handoff.token_ids), list(handoff.features.mm_hashes.get(
-            "image", [])), handoff.sampling.max_tokens, dict(handoff.kv_transfer_params),
-            kv_only=True)
+        ids, max_tokens = list(handoff.token_ids), handoff.sampling.max_tokens
+        if handoff.first_token is not None:  # the answer goes on after prefill's token
+            ids, max_tokens = ids + [handoff.first_token], max_tokens - 1
+        self._check_length(ids)
+        return FakeRequest(ids, list(handoff.features.mm_hashes.get("image", [])), max_tokens,
+                           dict(handoff.kv_transfer_params), kv_only=True,
+                           stop_token_ids=list(handoff.sampling.stop_token_ids),
+                           sent_in_prompt=len(ids) - len(handoff.token_ids))
 
     async def generate(self, request: FakeRequest, request_id: str) -> AsyncIterator[Step]:
         if self._dead:
@@ -146,18 +159,23 @@ class FakeEngine:
                     return
                 token = 10 + _h(context, request.image_hashes) % (VOCAB - 10)
                 context.append(token)
-                last = k == request.max_tokens - 1
-                step = Step([token], f" w{token}", prompt_tokens=len(request.token_ids))
-                if last:
-                    step.finish_reason = "length"
-                    pulled = len(request.token_ids) if key is not None else 0
+                stopped = token in request.stop_token_ids
+                step = Step([token], "" if stopped else f" w{token}",
+                            prompt_tokens=len(request.token_ids))
+                if stopped or k == request.max_tokens - 1:
+                    step.finish_reason = "stop" if stopped else "length"
+                    pulled = (len(request.token_ids) - request.sent_in_prompt
+                              if key is not None else 0)
                     step.kv_stats = {"local": len(request.token_ids) - pulled,
                                      "external": pulled, "covered": len(request.token_ids)}
-                    if params.get("do_remote_decode"):
+                    released = stopped and params.get(RELEASE_ON_STOP_KEY)
+                    if params.get("do_remote_decode") and not released:
                         new_key = uuid.uuid4().hex
                         self.kv.blocks[new_key] = (request.token_ids, request.image_hashes)
                         step.kv_transfer_params = {"fake_kv": new_key}
                 yield step
+                if step.finished:
+                    return
         finally:
             self.running.discard(request_id)
 

@@ -1,21 +1,24 @@
 """OpenAI-compatible HTTP frontend: checks the request, sends it to prefill, then its handoff to
 decode (or, in the agg graph, the request straight to the one worker), and streams the answer.
-It runs no model.
+It runs no model. The answer's first token is prefill's, streamed as soon as prefill answers;
+decode continues after it (`--first-token-from decode`: the older contract, decode samples it).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streaming with SSE, or not), GET
 /v1/models, /health, /metrics (Prometheus). Every refusal is a 4xx with an OpenAI-style body
 `{"error": {"message", "type", "code"}}` (mmhandoff.frontend.request), and nothing is started
 for it. When decode fails closed (its KV did not cover the images) or a worker is lost before
-the first token, the request goes through prefill again, at most `retries` times; when the
-decode replica streaming an answer is lost, the answer migrates to another one (`_answer`).
+decode streamed anything, the request goes through prefill again, at most `retries` times; when
+the decode replica streaming an answer is lost, the answer migrates to another one (`_answer`);
+either way it continues from the tokens already sent.
 What still fails is a 503 naming the stage, or, once a stream started, an error event and no
 `[DONE]` (docs/reliability.md).
 
 A client that goes away mid-answer cancels its handler (aiohttp's handler cancellation); the
 open Dynamo streams are closed with it, which stops the worker's handler and aborts the engine
-request, freeing its KV. If it goes away while its request is in prefill, prefill finishes and
-the handoff goes to decode, which is stopped at its first chunk: that frees prefill's blocks
-at once instead of at the end of their lease. Non-streaming answers carry an extra `mmhandoff`
+request, freeing its KV. If it goes away while its request is in prefill, or after the first
+token but before decode had the handoff, the handoff goes to decode, which is stopped at its
+first chunk: that frees prefill's blocks at once instead of at the end of their lease.
+Non-streaming answers, and a stream's chunk with the finish reason, carry an extra `mmhandoff`
 object with the handoff statistics (OpenAI clients ignore unknown fields). On SIGTERM it stops
 taking connections and lets the answers in flight finish (at most DRAIN_S), then exits.
 """
@@ -62,6 +65,9 @@ UNAVAILABLE = frozenset({"kv_coverage", "prefill_failed", "decode_failed"})
 # decode failed closed, or a worker was lost (died, or silent for `stall_s`).
 RETRIED = UNAVAILABLE
 STALL_S = 120.0  # the longest a worker may stay silent before its request counts as lost
+# Who samples the answer's first token: prefill (streamed as soon as prefill answers; decode
+# continues after it) or decode (the older contract: after the handoff, the KV pull and a step).
+FIRST_TOKEN_FROM = ("prefill", "decode")
 
 
 @dataclass
@@ -85,9 +91,13 @@ def api_error(e: RemoteError) -> ApiError:
 class Frontend:
     def __init__(self, prefill, decode, model: str, *, limits: FrontendLimits = FrontendLimits(),
                  fetch_policy: FetchPolicy = FetchPolicy(), retries: int = 1,
-                 migration_limit: int = 3, stall_s: float = STALL_S) -> None:
+                 migration_limit: int = 3, stall_s: float = STALL_S,
+                 first_token_from: str = "prefill") -> None:
         # Dynamo clients. prefill=None: `decode` takes the request itself (the agg worker).
         self.prefill, self.decode = prefill, decode
+        if first_token_from not in FIRST_TOKEN_FROM:
+            raise ValueError(f"first_token_from: expected one of {FIRST_TOKEN_FROM}")
+        self.first_token_from = first_token_from
         self.model, self.limits, self.stall_s = model, limits, stall_s
         self.retries, self.migration_limit = retries, migration_limit
         self.reader = RequestReader(model, limits, fetch_policy)
@@ -158,6 +168,8 @@ class Frontend:
             raise ApiError(400, "request body is not valid JSON", "invalid_json") from None
         options = stream_options(body)  # before read() fetches any image
         prefill_request = await read(body)
+        if self.first_token_from == "decode":  # the older contract (benchmarks compare them)
+            prefill_request = msgspec.structs.replace(prefill_request, first_token=False)
         self.metrics.in_flight.inc()
         try:
             async with aclosing(self._answer(prefill_request, t0)) as pieces:
@@ -194,8 +206,9 @@ class Frontend:
             async for last in pieces:
                 await send(_chunk(api, request_id, self.model, created, last, options))
             if options.include_usage:  # OpenAI's last chunk: no choice, the whole usage
-                await send({**_chunk(api, request_id, self.model, created, last, options),
-                            "choices": [], "usage": last.usage})
+                final = _chunk(api, request_id, self.model, created, last, options)
+                final.pop("mmhandoff", None)  # sent with the finish reason
+                await send({**final, "choices": [], "usage": last.usage})
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:  # the status is sent: the stream says it failed, and no [DONE]
@@ -208,17 +221,21 @@ class Frontend:
         return response
 
     async def _answer(self, prefill_request, t0: float) -> AsyncIterator[Piece]:
-        """The answer's pieces. When decode fails closed or a worker is lost (RETRIED) before the
-        first token, the request goes through prefill again (`retries` times at most). When a
-        decode replica is lost mid-answer, the request migrates: prefill computes the prompt
-        followed by the tokens already sent, and another replica goes on from there
-        (`migration_limit` times at most). Past those bounds the answer ends with the error,
-        never as a silent, short answer."""
+        """The answer's pieces: prefill's first token as soon as prefill answers, then decode's.
+        When a worker fails (RETRIED: decode failed closed, a worker was lost), the request goes
+        through prefill again, continuing from the tokens already sent (`continuation`: the
+        client never gets a token twice or a different one): a retry (`retries` times at most)
+        when the failed attempt's decode had streamed nothing, a migration (`migration_limit`
+        times at most) when a decode replica was lost mid-answer. Past those bounds the answer
+        ends with the error, never as a silent, short answer."""
         request, generated, retries, migrations, last_t = prefill_request, [], 0, 0, None
+        first_token_at = 0.0
         while True:
+            decoded = False  # this attempt's decode streamed a chunk
             try:
                 async with aclosing(self._decode(request)) as chunks:
-                    async for chunk, prefill_stats in chunks:
+                    async for chunk, prefill_stats, from_decode in chunks:
+                        decoded = decoded or from_decode
                         now = time.perf_counter()
                         if last_t is None:
                             self.metrics.ttft.observe(now - t0)
@@ -227,43 +244,48 @@ class Frontend:
                         last_t = now
                         generated += chunk.token_ids
                         piece = Piece(chunk.text, chunk.finish_reason)
-                        if not chunk.finish_reason and prefill_stats is not None:
-                            # the usage so far (a stream's continuous_usage_stats)
-                            piece.usage = _usage(prefill_stats.prompt_tokens
-                                                 - len(request.continuation), len(generated))
+                        # the client's prompt: prefill's, less a migration's tokens
+                        prompt = (prefill_stats.prompt_tokens if prefill_stats is not None
+                                  else chunk.stats.prompt_tokens if chunk.stats is not None
+                                  else None)
+                        if prompt is not None:  # the usage so far (continuous_usage_stats)
+                            piece.usage = _usage(prompt - len(request.continuation),
+                                                 len(generated))
                         if piece.finish:
                             stats = chunk.stats or DecodeStats(request_bytes=-1, prepare_ms=-1)
                             self.metrics.record_decode(stats)
                             piece.stats = AnswerStats(
                                 **msgspec.structs.asdict(stats), prefill=prefill_stats,
-                                retries=retries, migrations=migrations)
-                            # decode's prompt includes the continuation: the client's does not
-                            piece.usage = _usage(stats.prompt_tokens - len(request.continuation),
-                                                 len(generated))
+                                retries=retries, migrations=migrations,
+                                first_token_at=first_token_at)
                         yield piece
+                        if not first_token_at:  # the caller has delivered the first token
+                            first_token_at = time.time()
                 return
             except RemoteError as e:
                 left = prefill_request.sampling.max_tokens - len(generated)
-                if e.code in RETRIED and not generated and retries < self.retries:
+                if e.code not in RETRIED or left <= 0:
+                    raise api_error(e) from None
+                if not decoded and retries < self.retries:
                     retries += 1
                     self.metrics.retries.inc()
-                    continue
-                if (e.code in RETRIED and generated and left > 0
-                        and migrations < self.migration_limit):
+                elif decoded and migrations < self.migration_limit:
                     migrations += 1
                     self.metrics.migrations.inc()
+                else:
+                    raise api_error(e) from None
+                if generated:
                     request = msgspec.structs.replace(
                         prefill_request, continuation=list(generated),
                         sampling=msgspec.structs.replace(prefill_request.sampling,
                                                          max_tokens=left))
-                    continue
-                raise api_error(e) from None
 
-    async def _decode(
-            self, prefill_request) -> AsyncIterator[tuple[DecodeChunk, PrefillStats | None]]:
-        """Decode's chunks, decoded strictly, each with prefill's statistics (None in the agg
-        graph, where the one worker takes the request itself)."""
-        request, prefill_stats = msgspec.to_builtins(prefill_request), None
+    async def _decode(self, prefill_request
+                      ) -> AsyncIterator[tuple[DecodeChunk, PrefillStats | None, bool]]:
+        """The answer's chunks, decoded strictly, each with prefill's statistics (None in the agg
+        graph, where the one worker takes the request itself) and whether decode streamed it
+        (False: prefill's first token)."""
+        request, prefill_stats, answer = msgspec.to_builtins(prefill_request), None, None
         if self.prefill is not None:
             prefilled = asyncio.ensure_future(call_one(
                 self.prefill, request, lost="prefill_failed", stall_s=self.stall_s))
@@ -273,17 +295,33 @@ class Frontend:
                 background(self._release(prefilled))
                 raise
             answer = _prefill_answer(raw)
-            request, prefill_stats = answer.for_decode(), answer.stats
-        finished = False
-        async with aclosing(call(self.decode, request, lost="decode_failed",
-                                 stall_s=self.stall_s)) as chunks:
-            async for raw_chunk in chunks:
-                chunk = _decode_chunk(raw_chunk)
-                finished = chunk.finish_reason is not None
-                yield chunk, prefill_stats
-        if not finished:  # the stream closed cleanly but the answer did not end: a lost replica
-            raise RemoteError("decode_failed", "decode's stream ended before the answer did")
-
+            prefill_stats = answer.stats
+        handed = False  # the handoff reached decode, which frees prefill's blocks in any case
+        try:
+            if answer is not None:
+                first = answer.first
+                if first is not None:
+                    yield (DecodeChunk(request_id=prefill_request.request_id,
+                                       token_ids=[first.token_id], text=first.text,
+                                       finish_reason=first.finish_reason),
+                           prefill_stats, False)
+                    if first.finish_reason is not None:  # the answer ended at prefill
+                        return
+                request = answer.for_decode()
+            finished = False
+            async with aclosing(call(self.decode, request, lost="decode_failed",
+                                     stall_s=self.stall_s)) as chunks:
+                handed = True  # from here decode has it, or failed to get it (the lease frees)
+                async for raw_chunk in chunks:
+                    chunk = _decode_chunk(raw_chunk)
+                    finished = chunk.finish_reason is not None
+                    yield chunk, prefill_stats, True
+            if not finished:  # the stream closed cleanly but the answer did not end: lost
+                raise RemoteError("decode_failed", "decode's stream ended before the answer did")
+        finally:
+            if not handed and answer is not None and answer.needs_decode():
+                # the client left after the first token, before decode had the handoff
+                background(self._hand_over(answer))
 
     async def _release(self, prefilled: asyncio.Future) -> None:
         """Prefill, once done, holds the blocks for decode until they are pulled or its lease
@@ -292,6 +330,16 @@ class Frontend:
         now instead of at the end of the lease."""
         try:
             answer = _prefill_answer(await prefilled)
+        except Exception as e:  # nothing to answer to: the lease frees the blocks in the end
+            print(f"[frontend] releasing an abandoned handoff failed: {e!r}", file=sys.stderr,
+                  flush=True)
+            return
+        if answer.needs_decode():
+            await self._hand_over(answer)
+
+    async def _hand_over(self, answer: PrefillAnswer) -> None:
+        """An abandoned answer's handoff to decode, which stops after its first chunk."""
+        try:
             async with aclosing(call(self.decode, answer.for_decode())) as chunks:
                 async for _ in chunks:
                     break
@@ -350,6 +398,8 @@ def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece,
              "text_completion", "created": created, "model": model, "choices": [choice]}
     if options.include_usage:
         chunk["usage"] = piece.usage if options.continuous_usage_stats else None
+    if piece.stats is not None:
+        chunk["mmhandoff"] = msgspec.to_builtins(piece.stats)
     return chunk
 
 
@@ -385,10 +435,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-fetch-timeout-s", type=float, default=10.0)
     p.add_argument("--retries", type=int, default=1,
                    help="retries through prefill when decode fails closed or a worker is lost "
-                        "before the answer started")
+                        "before decode streamed anything")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="how many times an answer may continue on another decode replica after "
                         "the one streaming it was lost")
+    p.add_argument("--first-token-from", choices=FIRST_TOKEN_FROM, default="prefill",
+                   help="prefill: the client gets prefill's sampled token at once and decode "
+                        "continues after it (default); decode: decode samples it (the older "
+                        "contract, for comparison)")
     p.add_argument("--stall-timeout-s", type=float, default=STALL_S,
                    help="a worker silent this long (no answer, no next token) counts as lost")
     p.add_argument("--wait-s", type=float, default=600, help="how long to wait for the workers")
@@ -409,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         decode = await client(rt, f"{args.namespace}.{args.decode}", args.wait_s)
         frontend = Frontend(prefill, decode, args.model_name, fetch_policy=policy,
                             retries=args.retries, migration_limit=args.migration_limit,
-                            stall_s=args.stall_timeout_s)
+                            stall_s=args.stall_timeout_s, first_token_from=args.first_token_from)
         runner = frontend.runner()
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()

@@ -36,10 +36,11 @@ class FrontendMetrics:
         self.kv_pulled = Counter("mmhandoff_kv_pulled_tokens", "Prompt tokens decode pulled "
                                  "from prefill over NIXL", registry=r)
         self.kv_wait = Histogram("mmhandoff_decode_first_token_seconds", "Decode-side time from "
-                                 "admission to first token: the KV pull plus one step",
+                                 "admission to its first token (the answer's second when "
+                                 "prefill sent the first): the KV pull plus one step",
                                  buckets=_LATENCY, registry=r)
         self.retries = Counter("mmhandoff_retries", "Requests sent through prefill again before "
-                               "their first token (decode failed closed, a worker was lost)",
+                               "decode streamed (decode failed closed, a worker was lost)",
                                registry=r)
         self.migrations = Counter("mmhandoff_migrations", "Answers continued on another decode "
                                   "replica after the one streaming them was lost", registry=r)

@@ -188,8 +188,17 @@ class RequestReader:
             raise ApiError(400, "temperature must be a finite number >= 0", "invalid_sampling")
         if not 0 < top_p <= 1:  # NaN fails this too
             raise ApiError(400, "top_p must be in (0, 1]", "invalid_sampling")
+        stop_ids = body.get("stop_token_ids") or []  # vLLM's extension
+        if (not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS
+                or any(type(t) is not int or t < 0 for t in stop_ids)):
+            raise ApiError(400, f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} "
+                                "token ids (integers >= 0)", "invalid_sampling")
         return Sampling(max_tokens=max_tokens, temperature=float(temperature),
-                        top_p=float(top_p), seed=seed, ignore_eos=ignore_eos)
+                        top_p=float(top_p), seed=seed, ignore_eos=ignore_eos,
+                        stop_token_ids=stop_ids)
+
+
+MAX_STOP_TOKEN_IDS = 64
 
 
 # OpenAI and vLLM parameters mmhandoff does not apply yet, with the values that ask for nothing.
@@ -197,7 +206,7 @@ class RequestReader:
 # applied, one choice for n=2, no JSON for a schema) looks right and is wrong. tools: vLLM itself
 # refuses them unless a tool parser is configured.
 UNAPPLIED: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "stop": ("", []), "stop_token_ids": ([],),
+    "n": (1,), "best_of": (1,), "stop": ("", []),
     "include_stop_str_in_output": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
     "prompt_logprobs": (0,), "echo": (False,), "presence_penalty": (0,),
     "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),

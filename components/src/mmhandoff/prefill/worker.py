@@ -1,8 +1,14 @@
-"""Encode/prefill worker: the whole VLM; turns a chat request with images into a Handoff.
+"""Encode/prefill worker: the whole VLM; turns a chat request with images into the answer's first
+token and a Handoff.
 
 It renders the messages, gives every image its content hash as identifier, runs prefill with
 `max_tokens=1` and `do_remote_decode` (the NIXL producer then holds the blocks until decode pulls
-them or the lease ends), and answers with a Handoff that carries no media.
+them or the lease ends), and answers with the token it sampled (the answer's first: the client
+gets it at once) and a Handoff that carries no media, with which decode continues after that
+token. When that token ends the answer (a stop token, or the client asked for one token), there
+is no handoff and no blocks are held: `max_tokens` 1 runs without `do_remote_decode`, and a stop
+frees the blocks at once (RELEASE_ON_STOP_KEY). A request with `first_token` False gets the older
+contract: prefill's token is dropped and decode samples the first token.
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ from typing import AsyncIterator
 
 import msgspec
 
-from mmhandoff.engine import Engine, EngineInputError
+from mmhandoff.engine import RELEASE_ON_STOP_KEY, Engine, EngineInputError, Rendered, Step
 from mmhandoff.media.images import ImageError, ImageLimits, data_uri_bytes
 from mmhandoff.prefill.prompt import InvalidRequest, PromptBuilder
 from mmhandoff.wire.handoff import VERSION, Handoff, sign
 from mmhandoff.wire.messages import (
+    FirstToken,
     FullMediaRequest,
     PrefillAnswer,
     PrefillRequest,
@@ -52,25 +59,42 @@ class PrefillWorker:
         self.full_media = full_media
         self.key, self.ttl_s = key, ttl_s
 
-    async def generate(self, request: PrefillRequest
-                       ) -> AsyncIterator[tuple[Handoff, PrefillStats]]:
+    async def prefill(self, request: PrefillRequest) -> PrefillAnswer:
+        """The answer's first token (unless `request.first_token` is False), the handoff for
+        decode (none when that token ended the answer) and the statistics."""
         t0 = time.perf_counter()
         images = await self.prompts.images(request)
-        rendered = await self.engine.render(self.prompts.text(request), images)
-        if request.continuation:
-            if self.full_media:  # its decode renders the prompt text again: it would be lost
-                raise PrefillError("the full-media arm does not continue an answer")
-            rendered = self.engine.extend(rendered, request.continuation)
-        t1 = time.perf_counter()
-        engine_request = self.engine.request(rendered, request.sampling, max_tokens=1,
-                                             kv_transfer_params={"do_remote_decode": True},
-                                             cache_salt=request.cache_salt)
-        final = None
-        engine_request_id = f"{request.request_id}:prefill:{uuid.uuid4().hex[:8]}"
-        async with aclosing(self.engine.generate(engine_request, engine_request_id)) as steps:
-            async for step in steps:
-                final = step
-        if final is None or not final.kv_transfer_params:
+        # the first token is the answer's unless the older contract or the full-media arm
+        first_token = request.first_token and not self.full_media
+        one_token = first_token and request.sampling.max_tokens == 1
+        kv_params = None if one_token else {"do_remote_decode": True,
+                                            RELEASE_ON_STOP_KEY: first_token}
+        for attempt in (1, 2):
+            rendered = await self._render(request, images)
+            t1 = time.perf_counter()
+            final, token_ids, text = await self._sample(request, rendered, kv_params)
+            # An error with no token is the engine's retryable answer when its cache of
+            # processed images drifted from the renderer's (vLLM: a render never submitted,
+            # e.g. a prompt refused as too long, leaves the image marked as sent); rendering
+            # again resends the images.
+            if attempt == 1 and final is not None and final.finish_reason == "error" \
+                    and not token_ids:
+                continue
+            break
+        if final is None or len(token_ids) != 1:
+            raise PrefillError(f"prefill of {request.request_id} sampled {len(token_ids)} tokens "
+                               f"(finish reason {final and final.finish_reason})")
+        ended = first_token and (one_token or final.finish_reason == "stop")
+        stats = PrefillStats(
+            images=len(images), image_bytes=sum(i.source_bytes for i in images),
+            prompt_tokens=len(rendered.token_ids), prepare_ms=(t1 - t0) * 1e3,
+            prefill_ms=(time.perf_counter() - t1) * 1e3)
+        first = (FirstToken(token_id=token_ids[0], text=text,
+                            finish_reason=final.finish_reason if ended else None)
+                 if first_token else None)
+        if ended:
+            return PrefillAnswer(first=first, stats=stats)
+        if not final.kv_transfer_params:
             raise PrefillError(f"prefill of {request.request_id} returned no KV transfer params")
         handoff = Handoff(
             v=VERSION,
@@ -83,35 +107,53 @@ class PrefillWorker:
             sampling=request.sampling,
             cache_salt=request.cache_salt,
             continued=len(request.continuation),
+            first_token=token_ids[0] if first_token else None,
         )
         if self.key is not None:
             handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
-        stats = PrefillStats(
-            images=len(images), image_bytes=sum(i.source_bytes for i in images),
-            prompt_tokens=len(rendered.token_ids), prepare_ms=(t1 - t0) * 1e3,
-            prefill_ms=(time.perf_counter() - t1) * 1e3,
-        )
-        yield handoff, stats
+        if self.full_media:
+            return PrefillAnswer(stats=stats, full_media=FullMediaRequest(
+                request_id=request.request_id, prompt=self.prompts.text(request),
+                images=[data_uri_bytes(u, self.prompts.limits) for u in request.image_urls()],
+                kv_transfer_params=handoff.kv_transfer_params, sampling=request.sampling))
+        return PrefillAnswer(first=first, handoff=handoff, stats=stats)
+
+    async def _render(self, request: PrefillRequest, images) -> Rendered:
+        rendered = await self.engine.render(self.prompts.text(request), images)
+        if request.continuation:
+            if self.full_media:  # its decode renders the prompt text again: it would be lost
+                raise PrefillError("the full-media arm does not continue an answer")
+            rendered = self.engine.extend(rendered, request.continuation)
+        return rendered
+
+    async def _sample(self, request: PrefillRequest, rendered: Rendered, kv_params
+                      ) -> tuple[Step | None, list[int], str]:
+        """Prefill and its one sampled token: (last step, token ids, text)."""
+        engine_request = self.engine.request(rendered, request.sampling, max_tokens=1,
+                                             kv_transfer_params=kv_params,
+                                             cache_salt=request.cache_salt,
+                                             continued=len(request.continuation))
+        final, token_ids, text = None, [], ""
+        engine_request_id = f"{request.request_id}:prefill:{uuid.uuid4().hex[:8]}"
+        async with aclosing(self.engine.generate(engine_request, engine_request_id)) as steps:
+            async for step in steps:
+                final = step
+                token_ids += step.token_ids
+                text += step.text
+        return final, token_ids, text
 
     async def handle(self, request: dict) -> AsyncIterator[dict]:
         """Dynamo endpoint handler: a PrefillRequest in its builtin form in, one PrefillAnswer
         out."""
-        typed = self.prompts.from_wire(request)
-        handoff, stats = await self.handoff(typed)
-        if self.full_media:
-            answer = PrefillAnswer(stats=stats, full_media=FullMediaRequest(
-                request_id=typed.request_id, prompt=self.prompts.text(typed),
-                images=[data_uri_bytes(u, self.prompts.limits) for u in typed.image_urls()],
-                kv_transfer_params=handoff.kv_transfer_params, sampling=typed.sampling))
-        else:
-            answer = PrefillAnswer(handoff=handoff, stats=stats)
-        yield msgspec.to_builtins(answer)
+        yield msgspec.to_builtins(await self.prefill(self.prompts.from_wire(request)))
 
     async def handoff(self, request: PrefillRequest) -> tuple[Handoff, PrefillStats]:
-        async with aclosing(self.generate(request)) as items:
-            async for item in items:
-                return item
-        raise PrefillError("prefill produced nothing")
+        """The handoff alone (in-process callers and tests): its `first_token` is the answer's
+        first; a request whose answer ends at that token has none (PrefillError)."""
+        answer = await self.prefill(request)
+        if answer.handoff is None:
+            raise PrefillError(f"the answer to {request.request_id} ended at its first token")
+        return answer.handoff, answer.stats
 
 
 ENDPOINT = "prefill.generate"
@@ -121,11 +163,11 @@ ERRORS = (ImageError, InvalidRequest, EngineInputError, PrefillError)
 def main(argv: list[str] | None = None) -> int:
     from mmhandoff.serving.launch import run
 
-    def make_handler(engine, args):
+    def make_worker(engine, args):
         key = args.handoff_keys[0] if args.handoff_keys else None  # the first key signs
-        return PrefillWorker(engine, full_media=args.full_media, key=key).handle
+        return PrefillWorker(engine, full_media=args.full_media, key=key)
 
-    return run("prefill", "prefill", ENDPOINT, make_handler, ERRORS, argv)
+    return run("prefill", "prefill", ENDPOINT, make_worker, ERRORS, argv)
 
 
 if __name__ == "__main__":

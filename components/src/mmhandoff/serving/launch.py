@@ -104,14 +104,16 @@ def engine_spec(args: argparse.Namespace, role: str, kv_events_endpoint: str | N
                       kv_events_endpoint=kv_events_endpoint, extra=dict(args.engine_arg))
 
 
-def run(role: str, spec_role: str | Callable, endpoint: str, make_handler: Callable,
+def run(role: str, spec_role: str | Callable, endpoint: str, make_worker: Callable,
         errors: tuple, argv: list[str] | None = None) -> int:
-    """`spec_role`: the EngineSpec role, or a function of the parsed arguments giving it."""
+    """`spec_role`: the EngineSpec role, or a function of the parsed arguments giving it.
+    `make_worker(engine, args)`: the worker, whose `handle` serves the endpoint and whose
+    `warm_up()`, if it has one, runs before the worker reports ready."""
     args = parser(role).parse_args(argv)
     from mmhandoff.serving.runtime import run as run_loop
     from mmhandoff.vllm_adapter import fast_exit
 
-    code = run_loop(_serve(args, spec_role, endpoint, make_handler, errors))
+    code = run_loop(_serve(args, spec_role, endpoint, make_worker, errors))
     if fast_exit.enabled():
         # The engine and the runtime are down. The interpreter's finalization would scan the
         # whole vLLM and torch heap to free nothing (~3 s on 2 cores): end the process now.
@@ -119,7 +121,7 @@ def run(role: str, spec_role: str | Callable, endpoint: str, make_handler: Calla
     return code
 
 
-async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
+async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     from mmhandoff.serving import block_feed
     from mmhandoff.serving.health import ENGINE_DEAD, start_not_ready, watch_engine
     from mmhandoff.serving.runtime import runtime, serve
@@ -140,7 +142,10 @@ async def _serve(args, spec_role, endpoint, make_handler, errors) -> int:
     # the blocks the engine holds, for routers (started before requests can come)
     feed, subscriber, _ = block_feed.start_feed(
         rt, path.rsplit(".", 1)[0], events, spec.extra.get("block_size", spec.block_size))
-    served = serve(rt, path, make_handler(engine, args), errors)
+    worker = make_worker(engine, args)
+    if hasattr(worker, "warm_up"):  # the first client's request as fast as the rest
+        await worker.warm_up()
+    served = serve(rt, path, worker.handle, errors)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

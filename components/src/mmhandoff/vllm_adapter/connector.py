@@ -18,6 +18,17 @@ which is the model's compute thread (the OpenMP master). Every engine's model th
 machine's last core whatever VLLM_CPU_OMP_THREADS_BIND says: on 2 cores, prefill and decode
 shared core 1 and the graph's TTFT was ~10x the in-process one. The worker-side connector here
 puts the thread's affinity back once vLLM's constructor returns.
+
+Two scheduler-side changes serve the first-token contract (the answer's first token comes from
+prefill, decode continues after it; wire/handoff.py):
+- Decode's prompt is prefill's plus that token, one token longer than the KV prefill holds.
+  vLLM counts the whole prompt as external ("pull all prompt blocks") and would allocate a block
+  more than prefill names when prefill's prompt fills its last block exactly. With
+  PULLED_TOKENS_KEY in the request's kv_transfer_params, only that many tokens are external; the
+  engine computes the first token's position itself and samples the second.
+- A prefill whose one token stopped the answer (EOS, a stop token) holds its blocks for a pull
+  that will never come (vLLM keeps stopped requests' blocks too). With RELEASE_ON_STOP_KEY the
+  blocks are freed at once, as for an aborted request, and the output names no blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +40,10 @@ import sys
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
 from vllm.distributed.nixl_utils import NixlWrapper
+from vllm.v1.request import RequestStatus
+
+from mmhandoff.engine import RELEASE_ON_STOP_KEY
+from mmhandoff.vllm_adapter.inputs import PULLED_TOKENS_KEY
 
 
 @contextlib.contextmanager
@@ -60,3 +75,37 @@ class MMHandoffNixlConnector(NixlConnector):
             super().__init__(vllm_config, role, *args, **kwargs)
         if affinity is not None and os.sched_getaffinity(0) != affinity:
             os.sched_setaffinity(0, affinity)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        params = request.kv_transfer_params or {}
+        pulled = params.get(PULLED_TOKENS_KEY)
+        if pulled is None or not params.get("do_remote_prefill"):
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        count = int(pulled) - num_computed_tokens
+        # nothing left to pull (all in the local prefix cache): vLLM's own full-hit path, which
+        # still tells prefill to free its blocks
+        return (count, True) if count > 0 else (0, False)
+
+    def request_finished(self, request, block_ids):
+        with _released_if_stopped(request):
+            return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids):
+        with _released_if_stopped(request):
+            return super().request_finished_all_groups(request, block_ids)
+
+
+@contextlib.contextmanager
+def _released_if_stopped(request):
+    """A prefill request whose token ended the answer: vLLM's connector sees it as aborted (frees
+    its blocks now, hands no blocks out) while it decides."""
+    params = request.kv_transfer_params or {}
+    if not (params.get(RELEASE_ON_STOP_KEY) and params.get("do_remote_decode")
+            and request.status == RequestStatus.FINISHED_STOPPED):
+        yield
+        return
+    request.status = RequestStatus.FINISHED_ABORTED
+    try:
+        yield
+    finally:
+        request.status = RequestStatus.FINISHED_STOPPED

@@ -25,6 +25,11 @@ from mmhandoff.vllm_adapter.scheduler import KV_COVERAGE_STOP_REASON, KV_STATS_K
 from mmhandoff.wire.handoff import Features, Handoff, Sampling, Span
 
 
+# In a decode request's kv_transfer_params: how many prompt tokens prefill computed, which is all
+# the connector may pull (connector.MMHandoffNixlConnector); absent: the whole prompt.
+PULLED_TOKENS_KEY = "mmhandoff_pulled_tokens"
+
+
 @dataclass
 class RenderedPrompt:
     engine_input: Any  # vLLM's EngineInput, passed to `generate` as is
@@ -62,9 +67,19 @@ def sampling_params(s: Sampling, *, max_tokens: int | None = None,
 
 def kv_only_request(engine, h: Handoff, request_id: str, supported_tasks: tuple):
     """The decode engine's request for `h`: token ids plus data-less image features.
-    `supported_tasks` is `await engine.get_supported_tasks()` (asked once: it is an engine RPC)."""
-    params = sampling_params(h.sampling, kv_transfer_params=dict(h.kv_transfer_params))
-    prompt = tokens_input(list(h.token_ids))
+    `supported_tasks` is `await engine.get_supported_tasks()` (asked once: it is an engine RPC).
+
+    With prefill's first token (v2), the prompt is the handoff's followed by that token, and the
+    request asks for the rest of the answer; the connector pulls the KV of the handoff's tokens
+    only (PULLED_TOKENS_KEY) and the engine computes the first token's position itself."""
+    kv_params = dict(h.kv_transfer_params)
+    ids, max_tokens = list(h.token_ids), None
+    if h.first_token is not None:
+        kv_params[PULLED_TOKENS_KEY] = len(ids)
+        ids.append(h.first_token)
+        max_tokens = h.sampling.max_tokens - 1
+    params = sampling_params(h.sampling, max_tokens=max_tokens, kv_transfer_params=kv_params)
+    prompt = tokens_input(ids)
     if h.cache_salt is not None:
         prompt["cache_salt"] = h.cache_salt
     request = engine.input_processor.process_inputs(

@@ -80,15 +80,19 @@ class VllmEngine:
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
                 kv_transfer_params: dict[str, Any] | None = None,
-                cache_salt: str | None = None) -> Any:
+                cache_salt: str | None = None, continued: int = 0) -> Any:
         try:
             params = sampling_params(sampling, max_tokens=max_tokens,
                                      kv_transfer_params=kv_transfer_params)
         except self._refused as e:  # e.g. a negative temperature
             raise EngineInputError(str(e)) from None
+        engine_input = rendered.engine_input
         if cache_salt is not None:  # vLLM's input processor reads it from the engine input
-            return dict(rendered.engine_input, cache_salt=cache_salt), params
-        return rendered.engine_input, params
+            engine_input = dict(engine_input, cache_salt=cache_salt)
+        if continued:
+            return engine_input, params, self._continued_text(rendered.token_ids, params,
+                                                              continued)
+        return engine_input, params
 
     def extend(self, rendered: Rendered, token_ids: list[int]) -> Rendered:
         if self.capabilities.encoder_decoder:
@@ -107,16 +111,21 @@ class VllmEngine:
         except self._refused as e:  # vLLM's input checks, e.g. longer than max_model_len
             raise EngineInputError(str(e)) from None
         check_blocks(handoff, self.block_size)  # before the engine sees it
-        if handoff.continued:
-            from mmhandoff.vllm_adapter.continued_text import ContinuedText
-
-            return request, request.sampling_params, ContinuedText(
-                self._tokenizer, request, handoff.continued)
+        # answer tokens in the prompt: a migration's, and prefill's first token
+        sent = handoff.continued + (handoff.first_token is not None)
+        if sent:
+            return request, request.sampling_params, self._continued_text(
+                request.prompt_token_ids, request.sampling_params, sent)
         return request, request.sampling_params
+
+    def _continued_text(self, prompt_token_ids, params, sent: int):
+        from mmhandoff.vllm_adapter.continued_text import ContinuedText
+
+        return ContinuedText(self._tokenizer, prompt_token_ids, params, sent)
 
     async def generate(self, request: Any, request_id: str) -> AsyncIterator[Step]:
         engine_input, params, *continued = request
-        text_of = continued[0].next if continued else None  # a migrated answer's own text
+        text_of = continued[0].next if continued else None  # an answer going on
         stream = self.llm.generate(engine_input, params, request_id)
         sent_ids = sent_text = 0
         started = False

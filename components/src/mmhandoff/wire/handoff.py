@@ -27,8 +27,11 @@ from typing import Any, Sequence
 
 import msgspec
 
-VERSION = 1
-SUPPORTED_VERSIONS = frozenset({VERSION})
+# 2: `first_token`, prefill's sampled token, which the client already has; decode continues
+# after it. Version 1 (no such field: decode samples the first token) stays readable, so a
+# decode tier upgraded first keeps taking an older prefill's handoffs.
+VERSION = 2
+SUPPORTED_VERSIONS = frozenset({1, VERSION})
 
 
 # ---- errors: one type per admission rule -------------------------------------------------------
@@ -150,6 +153,11 @@ class Handoff(_Strict):
     # The last `continued` token ids are an answer's tokens already streamed (a migrated
     # request): decode's text goes on from theirs.
     continued: int = 0
+    # (v2) The answer's first token, sampled by prefill and already sent to the client: decode's
+    # prompt is `token_ids` + this token, it pulls the KV of `token_ids` and generates the
+    # answer's tokens from the second on (`sampling.max_tokens` counts the whole answer). None:
+    # decode samples the first token (v1; the router's prefill bypass).
+    first_token: int | None = None
     nonce: str | None = None  # set by `sign` with a TTL: makes the handoff single use
     expires_at: float | None = None  # unix seconds, prefill's clock
     digest: str | None = None  # hex HMAC-SHA256 over the message without it (see `sign`)
@@ -252,6 +260,14 @@ def check_structure(h: Handoff) -> None:
         end_prev = span.offset + span.length
     if h.sampling.max_tokens < 1:
         raise MalformedHandoff("sampling.max_tokens must be at least 1")
+    if h.first_token is not None:
+        if h.v < 2:
+            raise MalformedHandoff("first_token needs handoff version 2")
+        if h.first_token < 0:
+            raise MalformedHandoff("first_token is a negative id")
+        if h.sampling.max_tokens < 2:  # an answer of one token ends at prefill
+            raise MalformedHandoff("a handoff with first_token must leave decode a token to "
+                                   "generate (sampling.max_tokens >= 2)")
     if not 0 <= h.continued < n:
         raise MalformedHandoff(f"continued ({h.continued}) must be in [0, {n}): the prompt "
                                "before the answer's tokens cannot be empty")

@@ -49,6 +49,9 @@ class PrefillRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     cache_salt: str | None = None
     continuation: list[int] = msgspec.field(default_factory=list)
+    # Prefill's sampled token is the answer's first (streamed at once; decode continues after
+    # it). False: the older contract, decode samples it (benchmarks compare the two).
+    first_token: bool = True
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (not self.messages):
@@ -78,17 +81,35 @@ class FullMediaRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     sampling: Sampling
 
 
-class PrefillAnswer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """What prefill.generate answers: the message for decode (exactly one of them) and prefill's
-    statistics. `full_media` is the benchmark arm in which decode gets the media again."""
+class FirstToken(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The answer's first token, sampled by prefill. `finish_reason` set: the answer ends with it
+    (a stop token, or `max_tokens` 1) and nothing goes to decode."""
 
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+
+
+class PrefillAnswer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What prefill.generate answers: the answer's first token (unless the request asked decode
+    to sample it), the message for decode (exactly one of them, none when the answer ended at
+    the first token) and prefill's statistics. `full_media` is the benchmark arm in which decode
+    gets the media again."""
+
+    first: FirstToken | None = None
     handoff: Handoff | None = None
     full_media: FullMediaRequest | None = None
     stats: PrefillStats
 
     def __post_init__(self) -> None:
-        if (self.handoff is None) == (self.full_media is None):
-            raise ValueError("a prefill answer carries exactly one of handoff, full_media")
+        ended = self.first is not None and self.first.finish_reason is not None
+        messages = (self.handoff is not None) + (self.full_media is not None)
+        if messages != (0 if ended else 1):
+            raise ValueError("a prefill answer carries exactly one of handoff, full_media, or "
+                             "none once the answer ended at its first token")
+
+    def needs_decode(self) -> bool:
+        return self.handoff is not None or self.full_media is not None
 
     def for_decode(self) -> dict[str, Any]:
         """The message for decode, in the builtin form the Dynamo endpoint carries."""
@@ -102,7 +123,8 @@ class DecodeStats(msgspec.Struct, kw_only=True):
     kv_tokens_local: int = -1  # prompt tokens found in decode's own prefix cache
     kv_tokens_pulled: int = -1  # prompt tokens pulled from prefill over NIXL
     kv_positions_covered: int = -1  # prompt positions served from KV at first compute
-    ttft_ms: float = 0.0
+    ttft_ms: float = 0.0  # decode's first token (the answer's second when prefill sent one)
+    admitted_at: float = 0.0  # unix time decode admitted the request (0: no decode)
 
 
 class DecodeChunk(msgspec.Struct, kw_only=True):
@@ -117,13 +139,16 @@ class DecodeChunk(msgspec.Struct, kw_only=True):
 
 class AnswerStats(DecodeStats, kw_only=True):
     """The public `mmhandoff` object of an answer: the last decode's statistics, prefill's, how
-    many times the request went through prefill again before its first token (decode failed
+    many times the request went through prefill again before decode streamed (decode failed
     closed, a worker was lost), and how many times it continued elsewhere after a decode
     replica was lost mid-answer."""
 
     prefill: PrefillStats | None = None
     retries: int = 0
     migrations: int = 0
+    # unix time the frontend had delivered the first token (written to the client's stream)
+    # and asked for the rest
+    first_token_at: float = 0.0
 
 
 class RemoteFault(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
