@@ -123,6 +123,20 @@ def graph_config(args, run_dir: Path) -> Path:
     return path
 
 
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, what: str,
+                  log: Path) -> None:
+    """Until `url`/health answers; `proc` must not exit meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{what} exited; see {log}"
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{what} was not ready in {timeout_s:.0f} s; see {log}")
+
+
 class Graph:
     def __init__(self, config: Path, log: Path) -> None:
         self.older = None  # the older contract's frontend (start_older_frontend)
@@ -133,15 +147,7 @@ class Graph:
             [sys.executable, "-m", "mmhandoff", "serve", "graphs.disagg:Frontend", "-f",
              str(config), "--port", str(self.port)],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the graph exited; see {log}"
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2).close()
-                return
-            except OSError:
-                time.sleep(0.5)
-        raise TimeoutError(f"the graph was not ready in 600 s; see {log}")
+        _wait_healthy(self.url, self.proc, 600, "the graph", log)
 
     def start_older_frontend(self, log: Path) -> None:
         """A second frontend in front of the same workers, with the older contract: serve's
@@ -158,15 +164,7 @@ class Graph:
         self.older = subprocess.Popen([*cmd, "--first-token-from", "decode"], cwd=ROOT,
                                       env=ours.environ(), stdout=self.older_log,
                                       stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.older.poll() is None, f"the second frontend exited; see {log}"
-            try:
-                urllib.request.urlopen(self.older_url + "/health", timeout=2).close()
-                return
-            except OSError:
-                time.sleep(0.5)
-        raise TimeoutError(f"the second frontend was not ready in 120 s; see {log}")
+        _wait_healthy(self.older_url, self.older, 120, "the second frontend", log)
 
     async def request(self, session, rid: str, image: bytes, first_token: bool) -> float:
         # The body is encoded before the clock starts: a client's own JSON encoding (~0.3-0.5 ms

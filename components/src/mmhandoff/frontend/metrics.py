@@ -48,8 +48,9 @@ class FrontendMetrics:
                                    "before the end (the request was aborted)", registry=r)
 
     def record_decode(self, stats: DecodeStats) -> None:
-        if stats.request_bytes >= 0:
-            self.handoff_bytes.observe(stats.request_bytes)
+        if stats.request_bytes < 0:  # no decode: the answer ended at prefill's token
+            return
+        self.handoff_bytes.observe(stats.request_bytes)
         if stats.kv_tokens_pulled >= 0:
             self.kv_pulled.inc(stats.kv_tokens_pulled)
         self.kv_wait.observe(stats.ttft_ms / 1e3)
