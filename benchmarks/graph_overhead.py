@@ -157,13 +157,13 @@ class Graph:
 
         (ours,) = [p for p in psutil.Process(self.proc.pid).children()
                    if "mmhandoff.frontend" in p.cmdline()]
-        cmd = ours.cmdline()
-        cmd[cmd.index("--port") + 1] = str(older_port := port())
+        older_port = port()
         self.older_url = f"http://127.0.0.1:{older_port}"
         self.older_log = open(log, "w")
-        self.older = subprocess.Popen([*cmd, "--first-token-from", "decode"], cwd=ROOT,
-                                      env=ours.environ(), stdout=self.older_log,
-                                      stderr=subprocess.STDOUT)
+        # the last --port counts (serve's own override comes after the config's)
+        self.older = subprocess.Popen(
+            [*ours.cmdline(), "--port", str(older_port), "--first-token-from", "decode"],
+            cwd=ROOT, env=ours.environ(), stdout=self.older_log, stderr=subprocess.STDOUT)
         _wait_healthy(self.older_url, self.older, 120, "the second frontend", log)
 
     async def request(self, session, rid: str, image: bytes, first_token: bool) -> float:

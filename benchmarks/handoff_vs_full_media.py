@@ -135,7 +135,8 @@ async def main(args) -> None:
         n, seed = args.requests, 0
         # a fresh image for every measured request: one seen before would be a prefix-cache hit
         # in prefill, and in the decode engine that served it (no KV pulled at all)
-        images = [jpeg(w, h, 1000 + i) for i in range(2 * n * len(args.concurrency) + 1)]
+        images = [jpeg(w, h, 1000 + i)
+                  for i in range(len(ARMS) * n * len(args.concurrency) + 1)]
         for conc in args.concurrency:
             for arm in ARMS:
                 await one(arm, images[-1], f"warm-{arm}-{size_name}-{conc}")  # warm-up

@@ -95,11 +95,15 @@ def main() -> int:
         print(f"image: {len(image)} bytes; prompt: {reply.usage.prompt_tokens} tokens")
         print(f"prefill: image + prompt preparation {p.get('prepare_ms', 0):.1f} ms, "
               f"prefill {p.get('prefill_ms', 0):.1f} ms")
-        print(f"handoff sent to decode: {s['request_bytes']} bytes (no media)")
-        print(f"decode-side preparation: {s['prepare_ms']:.2f} ms; decode's first token after "
-              f"{s['ttft_ms']:.1f} ms (KV pull included)")
-        print(f"KV tokens pulled over NIXL: {s['kv_tokens_pulled']}; from decode's own cache: "
-              f"{s['kv_tokens_local']}")
+        if s["request_bytes"] < 0:  # the first token (prefill's) ended the answer
+            print("the answer ended at prefill's first token: nothing went to decode")
+        else:
+            print(f"handoff sent to decode: {s['request_bytes']} bytes (no media)")
+            print(f"decode-side preparation: {s['prepare_ms']:.2f} ms; decode's first token "
+                  f"(the answer's second: the first is prefill's) after {s['ttft_ms']:.1f} ms "
+                  f"(KV pull included)")
+            print(f"KV tokens pulled over NIXL: {s['kv_tokens_pulled']}; from decode's own "
+                  f"cache: {s['kv_tokens_local']}")
     finally:
         graph.send_signal(signal.SIGTERM)
         code = graph.wait(timeout=120)
