@@ -239,3 +239,19 @@ def test_an_answer_continued_from_its_first_tokens_goes_on_as_agg(loop, workers,
         rest = continued(loop, prefill, decode, messages, agg, k)
         assert [t for t, _ in agg[k:]] == [t for t, _ in rest], k
         assert "".join(x for _, x in agg) == "".join(x for _, x in agg[:k] + rest), k
+
+
+def test_an_agg_answer_continued_from_its_first_tokens_goes_on_as_before(loop, engines):
+    """The agg graph's retry after tokens went out (its one worker restarted): the same
+    continuation on the agg worker, tokens and text equal to the uninterrupted answer."""
+    messages = chat("Describe it.", data_uri(encode(make_image(320, 240, 7))))
+    agg = AggWorker(engines.full)
+    n = 16
+    whole = loop.run(streamed(agg.generate(PrefillRequest(
+        request_id="agg-whole", messages=messages, sampling=greedy(n, ignore_eos=True)))))
+    for k in (1, 2, 3, 5):
+        rest = loop.run(streamed(agg.generate(PrefillRequest(
+            request_id=f"agg-cont-{k}", messages=messages,
+            sampling=greedy(n - k, ignore_eos=True), continuation=[t for t, _ in whole[:k]]))))
+        assert [t for t, _ in whole[k:]] == [t for t, _ in rest], k
+        assert "".join(x for _, x in whole) == "".join(x for _, x in whole[:k] + rest), k

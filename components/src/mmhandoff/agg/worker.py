@@ -36,7 +36,8 @@ class AggWorker:
         engine_request_id = f"{request.request_id}:agg:{uuid.uuid4().hex[:8]}"
         async with aclosing(stream_answer(
                 self.engine, self.engine.request(rendered, request.sampling,
-                                                 cache_salt=request.cache_salt),
+                                                 cache_salt=request.cache_salt,
+                                                 continued=len(request.continuation)),
                 request.request_id, engine_request_id, kv_deadline_s=None, request_bytes=0,
                 prepare_ms=prepare_ms, t0=t0)) as chunks:
             async for chunk in chunks:
