@@ -44,6 +44,17 @@ ARMS = ("full media", "handoff", PREFILLS_TOKEN)
 
 
 async def main(args) -> None:
+    mem, engines = PeakRSS(), {}
+    try:
+        await measure(args, mem, engines)
+    finally:  # a failed run too: no engine left running, no IPC files left behind
+        mem.stop()
+        for eng in engines.values():
+            eng.shutdown()
+        engines.clear()  # no AsyncLLM.__del__ at interpreter exit
+
+
+async def measure(args, mem, engines: dict) -> None:
     import msgspec
 
     from mmhandoff.decode.full_media import FullMediaDecodeWorker
@@ -57,8 +68,6 @@ async def main(args) -> None:
     from mmhandoff.vllm_adapter.inputs import sampling_params
     from mmhandoff.wire.messages import FullMediaRequest, PrefillRequest, user
 
-    mem = PeakRSS()
-    engines = {}
     if args.model_shape == "tiny":
         model = str(ensure_tiny_model())
         common = dict(model=model, dtype="float32")
@@ -172,10 +181,6 @@ async def main(args) -> None:
               f"| {100 * (1 - hnd[4] / f[4]):.0f}% | {hnd[6] / f[6]:.5f} ({100 * hnd[6] / f[6]:.3f}%) "
               f"| {new[4] / hnd[4]:.2f} |")
     if args.skip_overhead:
-        mem.stop()
-        for eng in engines.values():
-            eng.shutdown()
-        engines.clear()  # no AsyncLLM.__del__ at interpreter exit
         return
 
     print("\n## NixlConnector overhead (text prompt, 8 output tokens, sequential, core 1)\n")
@@ -230,10 +235,6 @@ async def main(args) -> None:
     print("|---|---|")
     for name, v in mem.peak.items():
         print(f"| {name} | {v / 2**30:.2f} |")
-    mem.stop()
-    for eng in engines.values():
-        eng.shutdown()
-    engines.clear()
 
 
 if __name__ == "__main__":
