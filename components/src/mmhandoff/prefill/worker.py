@@ -96,6 +96,11 @@ class PrefillWorker:
             return PrefillAnswer(first=first, stats=stats)
         if not final.kv_transfer_params:
             raise PrefillError(f"prefill of {request.request_id} returned no KV transfer params")
+        if self.full_media:  # decode gets the media, not a handoff: nothing to build or sign
+            return PrefillAnswer(stats=stats, full_media=FullMediaRequest(
+                request_id=request.request_id, prompt=self.prompts.text(request),
+                images=[data_uri_bytes(u, self.prompts.limits) for u in request.image_urls()],
+                kv_transfer_params=final.kv_transfer_params, sampling=request.sampling))
         handoff = Handoff(
             v=VERSION,
             request_id=request.request_id,
@@ -107,15 +112,10 @@ class PrefillWorker:
             sampling=request.sampling,
             cache_salt=request.cache_salt,
             continued=len(request.continuation),
-            first_token=token_ids[0] if first_token else None,
+            first_token=first.token_id if first is not None else None,
         )
         if self.key is not None:
             handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
-        if self.full_media:
-            return PrefillAnswer(stats=stats, full_media=FullMediaRequest(
-                request_id=request.request_id, prompt=self.prompts.text(request),
-                images=[data_uri_bytes(u, self.prompts.limits) for u in request.image_urls()],
-                kv_transfer_params=handoff.kv_transfer_params, sampling=request.sampling))
         return PrefillAnswer(first=first, handoff=handoff, stats=stats)
 
     async def _render(self, request: PrefillRequest, images) -> Rendered:
