@@ -257,9 +257,9 @@ if __name__ == "__main__":
                         help="GPU: UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y for the decode engines (on, "
                              "EngineSpec's default), UCX's auto (off), or y for every process "
                              "(all: how the first prefill hung, docs/gpu.md)")
-    parser.add_argument("--kv-blocks-across-layers", choices=("on", "off"), default="off",
-                        help="GPU: one NIXL descriptor per KV block, all layers (on), or one per "
-                             "layer and K/V (off: vLLM's and EngineSpec's default)")
+    parser.add_argument("--kv-blocks-across-layers", choices=("on", "off"), default="on",
+                        help="GPU: one NIXL descriptor per KV block, all layers (on: "
+                             "EngineSpec's default), or one per layer and K/V (off: vLLM's)")
     asyncio.run(main(parser.parse_args()))
     # The engines are shut down and the results printed. Ending here skips the interpreter's
     # teardown, in which AsyncLLM.__del__ shuts each engine down again and fails on module

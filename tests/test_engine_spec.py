@@ -53,7 +53,8 @@ def test_kv_blocks_span_the_layers_on_gpus_with_vllm_0_26(monkeypatch, role):
     monkeypatch.setattr(engine_mod, "on_cpu", lambda: False)
     monkeypatch.setattr(engine_mod, "_layout_names_blocks_outermost", lambda: False)  # 0.26
     assert settings(**on) == ((None, None) if role == "agg" else ("HND", "True"))
-    assert settings() == (None, None)  # off by default until measured on a GPU
+    assert settings() == settings(**on)  # the default, since measured on an H100
+    assert settings(kv_blocks_across_layers=False) == (None, None)
     monkeypatch.setattr(engine_mod, "_layout_names_blocks_outermost", lambda: True)  # 0.31
     assert settings(**on) == (None, None)
 

@@ -34,10 +34,11 @@ def gpu(loop):
     from mmhandoff.vllm_adapter import EngineSpec
     from mmhandoff.vllm_adapter.kv_events import KVEventSubscriber
 
-    # MMHANDOFF_GPU_KV_ACROSS_LAYERS=1: the same tests with one NIXL descriptor per KV block
+    # MMHANDOFF_GPU_KV_PER_LAYER=1: the same tests with vLLM's per-layer KV layout (one NIXL
+    # descriptor per layer and K/V) instead of EngineSpec's default (one per block)
     common = dict(model=str(ensure_dummy_model("llava-1.5-7b")), dtype="bfloat16",
                   extra={"load_format": "dummy"}, gpu_memory_utilization=0.25,
-                  kv_blocks_across_layers=os.environ.get("MMHANDOFF_GPU_KV_ACROSS_LAYERS") == "1")
+                  kv_blocks_across_layers=os.environ.get("MMHANDOFF_GPU_KV_PER_LAYER") != "1")
     ports = {role: free_port() for role in ("prefill", "decode")}
     # decode's connector fails the loads of requests marked for it (tests/fault_connector.py)
     fault = {"decode": "tests.fault_connector.FaultInjectingNixlConnector"}
@@ -81,13 +82,15 @@ def test_parity_handoff_agg_full_media_on_a_gpu(loop, gpu, workers, case):
                                      timeout=300)
     agg = loop.run(agg_run(prefill, engines["full_media_decode"], f"gpu-{case}", messages, s),
                    timeout=300)
-    full_tokens, _ = loop.run(full_media_run(prefill, full, f"gpu-{case}", messages, s, blobs),
-                              timeout=300)
+    full_tokens, full_last = loop.run(
+        full_media_run(prefill, full, f"gpu-{case}", messages, s, blobs), timeout=300)
     assert len(tokens) == 16 and tokens == agg == full_tokens
     assert len(handoff.features.mm_hashes["image"]) == len(blobs)
     assert last.stats.request_bytes < 4096 < sum(map(len, blobs))  # metadata, never the media
-    # every prompt token's KV came from prefill or decode's own cache, image positions included
-    assert last.stats.kv_tokens_pulled + last.stats.kv_tokens_local == len(handoff.token_ids)
+    # every prompt token's KV came from prefill or the engine's own cache, image positions
+    # included, in both decode engines
+    for stats in (last.stats, full_last.stats):
+        assert stats.kv_tokens_pulled + stats.kv_tokens_local == len(handoff.token_ids), stats
     assert last.stats.kv_tokens_pulled > 0
 
 

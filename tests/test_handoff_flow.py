@@ -42,9 +42,15 @@ def test_parity_handoff_agg_full_media(loop, workers, engines, case):
     s = greedy(32, ignore_eos=True)
     handoff_tokens, last, handoff = loop.run(handoff_run(prefill, decode, f"par-{case}", messages, s))
     agg_tokens = loop.run(agg_run(prefill, engines.full, f"par-{case}", messages, s))
-    full_tokens, _ = loop.run(full_media_run(prefill, full, f"par-{case}", messages, s, blobs))
+    full_tokens, full_last = loop.run(
+        full_media_run(prefill, full, f"par-{case}", messages, s, blobs))
     assert len(agg_tokens) == 32
     assert handoff_tokens == agg_tokens == full_tokens
+    # both decode engines say where every prompt token's KV came from (pulled from prefill, or
+    # their own prefix cache: the full-media engine served agg's run of the same prompt)
+    for stats in (last.stats, full_last.stats):
+        assert stats.kv_tokens_pulled + stats.kv_tokens_local == len(handoff.token_ids), stats
+    assert last.stats.kv_tokens_pulled > 0
     # the decode tier got metadata only: one hash and one span per image, no pixels
     assert len(handoff.features.mm_hashes["image"]) == len(blobs)
     assert last.stats.request_bytes < 4096 < sum(map(len, blobs))

@@ -27,6 +27,7 @@ ROLES: tuple[Role, ...] = ("agg", "prefill", "decode", "full_media_decode")
 KV_READERS: tuple[Role, ...] = ("decode", "full_media_decode")  # they pull KV with NIXL READ
 
 FAIL_CLOSED_SCHEDULER = "mmhandoff.vllm_adapter.scheduler.FailClosedScheduler"
+KV_STATS_SCHEDULER = "mmhandoff.vllm_adapter.scheduler.KvStatsScheduler"
 CONNECTOR = "mmhandoff.vllm_adapter.connector.MMHandoffNixlConnector"
 
 
@@ -69,9 +70,9 @@ class EngineSpec:
     # GPU: each KV block holds every layer side by side, so NIXL moves one descriptor per block
     # instead of one per layer and K/V (64x fewer for a 32-layer model). cuda_ipc pays ~8 us per
     # descriptor whatever its size, which bounds the pull (docs/gpu.md). Every engine that moves
-    # KV must agree: vLLM's NIXL handshake refuses a peer with the other layout. Off until it has
-    # run on a GPU (built 2026-12-05 without one).
-    kv_blocks_across_layers: bool = False
+    # KV must agree: vLLM's NIXL handshake refuses a peer with the other layout. On an H100 it
+    # halved decode's first token at 8 in flight (docs/gpu.md); False: vLLM's per-layer layout.
+    kv_blocks_across_layers: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs as is
 
     def __post_init__(self) -> None:
@@ -131,6 +132,8 @@ def engine_args(spec: EngineSpec):
         kw["limit_mm_per_prompt"] = {"image": 0}
         kw["mm_processor_cache_gb"] = 0
         kw["scheduler_cls"] = FAIL_CLOSED_SCHEDULER
+    elif spec.role == "full_media_decode":  # reports what it pulled, as decode does
+        kw["scheduler_cls"] = KV_STATS_SCHEDULER
     if spec.kv_events_endpoint:
         kw["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=spec.kv_events_endpoint,
@@ -163,7 +166,7 @@ def _blocks_across_layers(spec: EngineSpec) -> tuple[dict[str, str], dict[str, s
     Differs by vLLM version (named here, tested in test_engine_spec.py):
     - 0.26 (the lent GPU): the HND layout plus NixlConnector's `enable_cross_layers_blocks`;
       vLLM then allocates one tensor (blocks, heads, layers, tokens, K|V) and NIXL registers one
-      descriptor per block. Measured on an H200 (docs/gpu.md).
+      descriptor per block. Measured on an H100 (docs/gpu.md).
     - 0.31 replaced both by a layout name (`VLLM_KV_CACHE_LAYOUT=BLHNC`) that only some
       attention backends accept (FlashInfer, not FlashAttention): not applied, since no GPU
       here runs 0.31 to test it; the engines keep vLLM's per-layer layout.

@@ -11,6 +11,10 @@ vLLM asks `_try_schedule_encoder_inputs` exactly when a request with media would
 in the running and the waiting loop alike, so one narrow override sees every such moment. The
 request is not scheduled in that step (zero new tokens, vLLM's own "cannot schedule" path) and is
 finished at the end of the step, where vLLM finishes its other errored requests.
+
+`KvStatsScheduler`, its base, is also the full-media decode engine's scheduler: every engine that
+pulls KV reports, in a request's last output, how many of its prompt tokens were pulled, so that
+the handoff and the full-media request can be compared on what they really pulled.
 """
 
 from __future__ import annotations
@@ -45,11 +49,53 @@ def coverage_cause(request: Request, num_computed_tokens: int, required: int) ->
             f"{required}")
 
 
-class FailClosedScheduler(Scheduler):
+class KvStatsScheduler(Scheduler):
+    """Puts {"covered", "local", "external"} (KV_STATS_KEY) in the last output of each request
+    with media: its prompt tokens already computed, from the local prefix cache and pulled, as
+    vLLM counted them when it first scheduled the request's computation."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._kv_stats: dict[str, dict[str, int]] = {}
+
+    def _try_schedule_encoder_inputs(
+        self, request, num_computed_tokens, num_new_tokens, encoder_compute_budget,
+        *args, **kwargs,
+    ):
+        if num_new_tokens > 0 and request.request_id not in self._kv_stats:
+            stats = request.prefill_stats
+            self._kv_stats[request.request_id] = {
+                "covered": num_computed_tokens,
+                "local": stats.num_local_cached_tokens if stats else -1,
+                "external": stats.num_external_cached_tokens if stats else -1,
+            }
+        return super()._try_schedule_encoder_inputs(
+            request, num_computed_tokens, num_new_tokens, encoder_compute_budget,
+            *args, **kwargs,
+        )
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._kv_stats:
+            for eco in outputs.values():
+                for output in eco.outputs:
+                    if output.finish_reason is not None and output.request_id in self._kv_stats:
+                        stats = self._kv_stats.pop(output.request_id)
+                        output.kv_transfer_params = {**(output.kv_transfer_params or {}),
+                                                     KV_STATS_KEY: stats}
+        return outputs
+
+    def finish_requests(self, request_ids, finished_status):
+        finished = super().finish_requests(request_ids, finished_status)
+        for request in finished:  # aborted or failed: no output will carry the stats
+            self._kv_stats.pop(request.request_id, None)
+        return finished
+
+
+class FailClosedScheduler(KvStatsScheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._kv_coverage_failures: dict[str, str] = {}
-        self._kv_stats: dict[str, dict[str, int]] = {}
 
     def _try_schedule_encoder_inputs(
         self, request, num_computed_tokens, num_new_tokens, encoder_compute_budget,
@@ -60,14 +106,8 @@ class FailClosedScheduler(Scheduler):
             self._kv_coverage_failures.setdefault(
                 request.request_id, coverage_cause(request, num_computed_tokens, required)
             )
-            num_new_tokens = 0  # vLLM answers "nothing to schedule" in its own return shape
-        elif required and request.request_id not in self._kv_stats:
-            stats = request.prefill_stats
-            self._kv_stats[request.request_id] = {
-                "covered": num_computed_tokens,
-                "local": stats.num_local_cached_tokens if stats else -1,
-                "external": stats.num_external_cached_tokens if stats else -1,
-            }
+            # vLLM answers "nothing to schedule" in its own return shape (and no stats)
+            num_new_tokens = 0
         return super()._try_schedule_encoder_inputs(
             request, num_computed_tokens, num_new_tokens, encoder_compute_budget,
             *args, **kwargs,
@@ -89,17 +129,4 @@ class FailClosedScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for client_index, output in failed:
             outputs.setdefault(client_index, EngineCoreOutputs()).outputs.append(output)
-        if self._kv_stats:
-            for eco in outputs.values():
-                for output in eco.outputs:
-                    if output.finish_reason is not None and output.request_id in self._kv_stats:
-                        stats = self._kv_stats.pop(output.request_id)
-                        output.kv_transfer_params = {**(output.kv_transfer_params or {}),
-                                                     KV_STATS_KEY: stats}
         return outputs
-
-    def finish_requests(self, request_ids, finished_status):
-        finished = super().finish_requests(request_ids, finished_status)
-        for request in finished:  # aborted or failed: no output will carry the stats
-            self._kv_stats.pop(request.request_id, None)
-        return finished
