@@ -346,3 +346,23 @@ def test_a_handoff_whose_client_left_after_the_first_token_still_reaches_decode(
     got, from_decode = loop.run(leave_after_first())
     assert (got.token_ids, from_decode) == ([5], False)
     assert decode.requests == [handoff_answer(first=FIRST)["handoff"]]
+
+
+def test_penalties_over_the_answer_let_decode_sample_every_token(loop):
+    """vLLM counts presence and frequency penalties over an engine's own output: prefill's token
+    would be in decode's prompt, not counted. Such a request asks prefill for no first token."""
+    for extra, first_token in (({"presence_penalty": 0.5}, False),
+                               ({"frequency_penalty": -1}, False),
+                               ({"repetition_penalty": 1.2}, True), ({}, True)):
+        prefill = Scripted([handoff_answer()])
+        status, _ = ask(loop, prefill, Scripted(ANSWER), extra=extra)
+        assert status == 200 and prefill.requests[0]["first_token"] is first_token, extra
+
+
+def test_a_migration_counts_min_tokens_over_the_whole_answer(loop):
+    prefill = Scripted([handoff_answer("a")], [handoff_answer("b", prompt_tokens=5)])
+    decode = Scripted([chunk("Hel", [5]), chunk("l", [6]), LOST],
+                      [chunk("o", [7]), chunk("!", [8], "length", prompt_tokens=5)])
+    status, _ = ask(loop, prefill, decode, max_tokens=4, extra={"min_tokens": 3})
+    assert status == 200
+    assert [r["sampling"]["min_tokens"] for r in prefill.requests] == [3, 1]

@@ -4,6 +4,7 @@ That the server keeps serving afterwards is checked with real engines in test_fr
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import struct
@@ -15,6 +16,7 @@ import pytest
 from PIL import Image
 
 from mmhandoff.frontend.app import Frontend, FrontendLimits
+from mmhandoff.frontend.request import RequestReader
 from mmhandoff.media.fetch import FetchPolicy
 from tests.conftest import data_uri, encode, make_image, serve_app
 
@@ -142,6 +144,16 @@ BAD_CASES = {
     "stop_token_ids a string": (chat_body(GOOD, stop_token_ids=["2"]), 400, "invalid_sampling"),
     "stop_token_ids too many": (chat_body(GOOD, stop_token_ids=list(range(65))), 400,
                                 "invalid_sampling"),
+    # vLLM's own limits (SamplingParams), checked before any work
+    "top_k -2": (chat_body(GOOD, top_k=-2), 400, "invalid_sampling"),
+    "top_k 1.5": (chat_body(GOOD, top_k=1.5), 400, "invalid_sampling"),
+    "min_p 1.5": (chat_body(GOOD, min_p=1.5), 400, "invalid_sampling"),
+    "repetition_penalty 0": (chat_body(GOOD, repetition_penalty=0), 400, "invalid_sampling"),
+    "presence_penalty 3": (chat_body(GOOD, presence_penalty=3), 400, "invalid_sampling"),
+    "frequency_penalty 'x'": (chat_body(GOOD, frequency_penalty="x"), 400, "invalid_sampling"),
+    "min_tokens over max_tokens": (chat_body(GOOD, min_tokens=9, max_tokens=8), 400,
+                                   "invalid_sampling"),
+    "min_tokens negative": (chat_body(GOOD, min_tokens=-1), 400, "invalid_sampling"),
 }
 
 
@@ -202,11 +214,10 @@ def test_bad_completions_input(server, backends, body, status, code):
 def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
     """The frontend decodes only the first HEAD_BYTES of a data URI to read the image header; a
     JPEG whose metadata (here a 100 KB ICC profile) pushes the header past that is still read."""
-    import asyncio
     import io
     import os
 
-    from mmhandoff.frontend.request import ApiError, RequestReader
+    from mmhandoff.frontend.request import ApiError
     from mmhandoff.media.images import HEAD_BYTES
 
     buf = io.BytesIO()
@@ -222,9 +233,8 @@ def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
 
 UNAPPLIED_CASES = [("n", 2), ("best_of", 3), ("stop", "\n"), ("stop", ["a"]),
                    ("logprobs", True), ("top_logprobs", 5),
-                   ("echo", True), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-                   ("repetition_penalty", 1.2), ("logit_bias", {"5": 10}), ("min_tokens", 4),
-                   ("top_k", 5), ("min_p", 0.1), ("response_format", {"type": "json_object"}),
+                   ("echo", True), ("logit_bias", {"5": 10}),
+                   ("response_format", {"type": "json_object"}),
                    ("guided_json", {"type": "object"}), ("n", True),
                    ("tools", [{"type": "function", "function": {"name": "f"}}]),
                    ("tool_choice", "auto")]
@@ -250,3 +260,16 @@ def test_the_values_that_ask_for_nothing_pass_the_check():
                        "repetition_penalty": 1.0, "response_format": {"type": "text"},
                        "tools": [], "tool_choice": "none", "logit_bias": {}, "stop_token_ids": [],
                        "min_p": 0.0, "suffix": None, "guided_json": None})
+
+
+def test_sampling_settings_reach_the_request_as_vllm_reads_them():
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "top_k": -1, "min_p": 0.05,
+            "repetition_penalty": 1.3, "presence_penalty": -0.5, "frequency_penalty": 2,
+            "min_tokens": 8}
+    s = asyncio.run(RequestReader(MODEL).completion(body)).sampling
+    assert (s.top_k, s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty,
+            s.min_tokens) == (0, 0.05, 1.3, -0.5, 2.0, 8)  # top_k -1 is vLLM's "off", as 0
+    assert s.counts_answer_tokens()
+    plain = asyncio.run(RequestReader(MODEL).completion({"model": MODEL, "prompt": "x"})).sampling
+    assert (plain.top_k, plain.min_p, plain.repetition_penalty, plain.min_tokens) == (0, 0, 1, 0)
+    assert not plain.counts_answer_tokens()

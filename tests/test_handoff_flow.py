@@ -261,3 +261,63 @@ def test_an_agg_answer_continued_from_its_first_tokens_goes_on_as_before(loop, e
             sampling=greedy(n - k, ignore_eos=True), continuation=[t for t, _ in whole[:k]]))))
         assert [t for t, _ in whole[k:]] == [t for t, _ in rest], k
         assert "".join(x for _, x in whole) == "".join(x for _, x in whole[:k] + rest), k
+
+
+# Sampling settings that must hold for the whole answer, prefill's first token and decode's
+# rest alike: each case's answer equals agg's (vLLM applying them to one engine's whole answer)
+# and differs from plain greedy (so it was applied, not ignored). `first_token` False: the
+# frontend lets decode sample every token when penalties count the answer's tokens.
+SAMPLING_CASES = {
+    "repetition_penalty": (dict(repetition_penalty=1.8), True),
+    "frequency_penalty": (dict(frequency_penalty=2.0), False),
+    "presence_penalty": (dict(presence_penalty=2.0), False),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_sampling_settings_hold_across_prefill_and_decode(loop, workers, engines, case):
+    prefill, decode, _ = workers
+    settings, first_token = SAMPLING_CASES[case]
+    messages = chat("Say more.", data_uri(encode(make_image(96, 64, 40))))
+    plain = loop.run(agg_run(prefill, engines.full, f"s-{case}-plain", messages,
+                             greedy(24, ignore_eos=True)))
+    s = greedy(24, ignore_eos=True, **settings)
+    agg = loop.run(agg_run(prefill, engines.full, f"s-{case}-agg", messages, s))
+    tokens, _, h = loop.run(handoff_run(prefill, decode, f"s-{case}", messages, s,
+                                        first_token=first_token))
+    assert (h.first_token is not None) == first_token
+    assert tokens == agg != plain
+
+
+def test_top_k_and_min_p_hold_on_prefill_and_decode(loop, workers, engines):
+    """At temperature 1, top_k 1 (and, alone, min_p 1) leaves only the likeliest token: the
+    sampled answer is the greedy one only if both prefill and decode applied it."""
+    prefill, decode, _ = workers
+    messages = chat("Go on.", data_uri(encode(make_image(96, 64, 32))))
+    plain = loop.run(agg_run(prefill, engines.full, "k-plain", messages,
+                             greedy(16, ignore_eos=True)))
+    for name, settings in (("top_k", dict(top_k=1)), ("min_p", dict(min_p=1.0))):
+        s = Sampling(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True, **settings)
+        tokens, _, _ = loop.run(handoff_run(prefill, decode, f"k-{name}", messages, s))
+        assert tokens == plain, name
+    unbounded = Sampling(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    assert loop.run(handoff_run(prefill, decode, "k-none", messages, unbounded))[0] != plain
+
+
+def test_min_tokens_counts_the_whole_answer(loop, workers, engines):
+    """Stop tokens are masked until the answer has min_tokens tokens, whichever engine samples
+    them: prefill's first token counts, so decode's share is one less. The stop set holds the
+    greedy first token (prefill must not stop on it) and a token agg samples right at the
+    min_tokens mark `i` (decode must stop there: with min_tokens not reduced it would not)."""
+    prefill, decode, _ = workers
+    messages = chat("Tell me.", data_uri(encode(make_image(96, 64, 33))))
+    first = loop.run(agg_run(prefill, engines.full, "m-plain", messages, greedy(16)))[0]
+    masked = loop.run(agg_run(prefill, engines.full, "m-masked", messages,
+                              greedy(16, min_tokens=8, stop_token_ids=[first])))
+    # a mark whose token is new there: masking it earlier changes no earlier choice
+    i = next(i for i in range(2, 9) if masked[i] != first and masked[i] not in masked[:i])
+    s = greedy(16, min_tokens=i, stop_token_ids=[first, masked[i]])
+    agg = loop.run(agg_run(prefill, engines.full, "m-agg", messages, s))
+    assert agg[:i] == masked[:i] and len(agg) == i + 1  # stopped at the mark
+    tokens, last, _ = loop.run(handoff_run(prefill, decode, "m-handoff", messages, s))
+    assert tokens == agg and last.finish_reason == "stop"

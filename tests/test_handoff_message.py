@@ -140,7 +140,7 @@ def _wire(d: dict) -> bytes:
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(offset=6), SpanReachesFinalToken),
     (lambda d: d["features"]["mm_hashes"].update(image=["a", "b"]), FeatureMismatch),
     (lambda d: d["features"]["mm_hashes"].update(video=["a"]), FeatureMismatch),
-    (lambda d: d.update(v=3), UnsupportedVersion),
+    (lambda d: d.update(v=4), UnsupportedVersion),
     (lambda d: d.update(v=0), UnsupportedVersion),
     (lambda d: d.update(v="1"), UnsupportedVersion),
     (lambda d: d.pop("v"), UnsupportedVersion),
@@ -152,6 +152,10 @@ def _wire(d: dict) -> bytes:
     (lambda d: d.update(continued=len(d["token_ids"])), MalformedHandoff),  # no prompt left
     (lambda d: d.update(first_token=-1), MalformedHandoff),
     (lambda d: d.update(first_token=5, v=1), MalformedHandoff),  # a v2 field
+    *[(lambda d, k=k, v=v: d.update(v=2, sampling={k: v}), MalformedHandoff)  # v3 fields
+      for k, v in (("min_p", 0.1), ("min_tokens", 1), ("repetition_penalty", 1.1),
+                   ("presence_penalty", 0.5), ("frequency_penalty", -0.5))],
+    (lambda d: d.update(sampling={"max_tokens": 4, "min_tokens": 5}), MalformedHandoff),
     (lambda d: d.update(first_token=5, sampling={"max_tokens": 1}), MalformedHandoff),
 ])
 def test_each_structural_rule_has_its_error(mutate, error):

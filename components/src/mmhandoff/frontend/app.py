@@ -168,7 +168,9 @@ class Frontend:
             raise ApiError(400, "request body is not valid JSON", "invalid_json") from None
         options = stream_options(body)  # before read() fetches any image
         prefill_request = await read(body)
-        if self.first_token_from == "decode":  # the older contract (benchmarks compare them)
+        # decode samples the first token too: the older contract (benchmarks compare them), or
+        # penalties over the answer's tokens, which vLLM counts over its own output only
+        if self.first_token_from == "decode" or prefill_request.sampling.counts_answer_tokens():
             prefill_request = msgspec.structs.replace(prefill_request, first_token=False)
         self.metrics.in_flight.inc()
         try:
@@ -275,10 +277,12 @@ class Frontend:
                 else:
                     raise api_error(e) from None
                 if generated:
+                    sampling = prefill_request.sampling
                     request = msgspec.structs.replace(
                         prefill_request, continuation=list(generated),
-                        sampling=msgspec.structs.replace(prefill_request.sampling,
-                                                         max_tokens=left))
+                        sampling=msgspec.structs.replace(
+                            sampling, max_tokens=left,
+                            min_tokens=max(sampling.min_tokens - len(generated), 0)))
 
     async def _decode(self, prefill_request
                       ) -> AsyncIterator[tuple[DecodeChunk, PrefillStats | None, bool]]:

@@ -195,10 +195,42 @@ class RequestReader:
                                 "token ids (integers >= 0)", "invalid_sampling")
         return Sampling(max_tokens=max_tokens, temperature=float(temperature),
                         top_p=float(top_p), seed=seed, ignore_eos=ignore_eos,
-                        stop_token_ids=stop_ids)
+                        stop_token_ids=stop_ids, **_sampling_extras(body, max_tokens))
 
 
 MAX_STOP_TOKEN_IDS = 64
+
+
+def _sampling_extras(body: dict, max_tokens: int) -> dict[str, Any]:
+    """top_k, min_p, the penalties and min_tokens, under vLLM's own rules (SamplingParams'
+    checks), so that a value vLLM would refuse is a 400 here, before any work."""
+    out: dict[str, Any] = {}
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if type(top_k) is not int or top_k < -1:
+            raise ApiError(400, "top_k must be an integer: -1 or 0 (off), or at least 1",
+                           "invalid_sampling")
+        out["top_k"] = max(top_k, 0)
+    floats = {  # name: (valid, rule as the client reads it)
+        "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "repetition_penalty": (lambda v: 0 < v <= 2, "in (0, 2]"),
+        "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    }
+    for name, (valid, rule) in floats.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not (_number(value) and valid(value)):  # NaN fails every rule
+            raise ApiError(400, f"{name} must be a number {rule}", "invalid_sampling")
+        out[name] = float(value)
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        if type(min_tokens) is not int or not 0 <= min_tokens <= max_tokens:
+            raise ApiError(400, "min_tokens must be an integer in [0, max_tokens]",
+                           "invalid_sampling")
+        out["min_tokens"] = min_tokens
+    return out
 
 
 # OpenAI and vLLM parameters mmhandoff does not apply yet, with the values that ask for nothing.
@@ -208,9 +240,8 @@ MAX_STOP_TOKEN_IDS = 64
 UNAPPLIED: dict[str, tuple] = {
     "n": (1,), "best_of": (1,), "stop": ("", []),
     "include_stop_str_in_output": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
-    "prompt_logprobs": (0,), "echo": (False,), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "min_tokens": (0,), "top_k": (-1, 0), "min_p": (0,), "response_format": ({"type": "text"},),
+    "prompt_logprobs": (0,), "echo": (False,), "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "suffix": ("",),

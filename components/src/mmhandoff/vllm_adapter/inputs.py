@@ -55,13 +55,20 @@ async def render_prompt(engine, prompt: str, images: list, identifiers: list[str
 
 
 def sampling_params(s: Sampling, *, max_tokens: int | None = None,
-                    kv_transfer_params: dict[str, Any] | None = None) -> SamplingParams:
+                    kv_transfer_params: dict[str, Any] | None = None,
+                    done: int = 0) -> SamplingParams:
+    """vLLM's parameters for the part of the answer this engine samples: `max_tokens` of it,
+    after the `done` tokens another engine sampled (decode after prefill's first token).
+    `min_tokens` counts the whole answer, so this part's share is what is left of it."""
     extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+    max_tokens = s.max_tokens if max_tokens is None else max_tokens
     return SamplingParams(
-        max_tokens=s.max_tokens if max_tokens is None else max_tokens,
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+        max_tokens=max_tokens, min_tokens=min(max(s.min_tokens - done, 0), max_tokens),
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
-        prompt_logprobs=s.prompt_logprobs, extra_args=extra,
+        prompt_logprobs=s.prompt_logprobs, repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        extra_args=extra,
     )
 
 
@@ -78,7 +85,8 @@ def kv_only_request(engine, h: Handoff, request_id: str, supported_tasks: tuple)
         kv_params[PULLED_TOKENS_KEY] = len(ids)
         ids.append(h.first_token)
         max_tokens = h.sampling.max_tokens - 1
-    params = sampling_params(h.sampling, max_tokens=max_tokens, kv_transfer_params=kv_params)
+    params = sampling_params(h.sampling, max_tokens=max_tokens, kv_transfer_params=kv_params,
+                             done=0 if h.first_token is None else 1)
     prompt = tokens_input(ids)
     if h.cache_salt is not None:
         prompt["cache_salt"] = h.cache_salt

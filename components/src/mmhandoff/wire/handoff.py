@@ -28,10 +28,11 @@ from typing import Any, Sequence
 import msgspec
 
 # 2: `first_token`, prefill's sampled token, which the client already has; decode continues
-# after it. Version 1 (no such field: decode samples the first token) stays readable, so a
-# decode tier upgraded first keeps taking an older prefill's handoffs.
-VERSION = 2
-SUPPORTED_VERSIONS = frozenset({1, VERSION})
+# after it. 3: sampling's `min_p`, penalties and `min_tokens`. Older versions (1: no first
+# token, decode samples it) stay readable, so a decode tier upgraded first keeps taking an older
+# prefill's handoffs; an older decode refuses a newer handoff by its version.
+VERSION = 3
+SUPPORTED_VERSIONS = frozenset({1, 2, VERSION})
 
 
 # ---- errors: one type per admission rule -------------------------------------------------------
@@ -129,15 +130,30 @@ class Features(_Strict):
 
 
 class Sampling(_Strict):
+    """vLLM's sampling parameters, for the whole answer: prefill samples its first token with
+    them, decode the rest (docs/api.md says where each one is applied)."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # (v3)
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # refused on decode: the prompt is not computed there
+    # (v3) repetition: over the prompt and the answer; presence and frequency: over the answer's
+    # tokens only, so a request with either is sampled wholly by decode (frontend)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0  # (v3) stop tokens are masked until the answer has this many
+
+    def counts_answer_tokens(self) -> bool:
+        """Whether sampling depends on which tokens the answer holds so far (vLLM counts the
+        output only): then one engine must sample every token of the answer."""
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 class Handoff(_Strict):
@@ -260,6 +276,12 @@ def check_structure(h: Handoff) -> None:
         end_prev = span.offset + span.length
     if h.sampling.max_tokens < 1:
         raise MalformedHandoff("sampling.max_tokens must be at least 1")
+    if not 0 <= h.sampling.min_tokens <= h.sampling.max_tokens:
+        raise MalformedHandoff("sampling.min_tokens must be in [0, max_tokens]")
+    if h.v < 3 and (h.sampling.min_p or h.sampling.min_tokens
+                    or h.sampling.repetition_penalty != 1.0
+                    or h.sampling.counts_answer_tokens()):
+        raise MalformedHandoff("min_p, penalties and min_tokens need handoff version 3")
     if h.first_token is not None:
         if h.v < 2:
             raise MalformedHandoff("first_token needs handoff version 2")
