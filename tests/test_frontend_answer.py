@@ -212,8 +212,10 @@ def test_an_answer_migrates_when_its_decode_replica_is_lost(loop, stream):
     first, again = prefill.requests
     assert "continuation" not in first or first["continuation"] == []
     assert again["continuation"] == [5, 6] and again["sampling"]["max_tokens"] == 2
-    assert {k: v for k, v in again.items() if k not in ("continuation", "sampling")} == \
-        {k: v for k, v in first.items() if k not in ("continuation", "sampling")}
+    assert again["allow_bypass"] is False  # a continued answer goes through prefill
+    changed = ("continuation", "sampling", "allow_bypass")
+    assert {k: v for k, v in again.items() if k not in changed} == \
+        {k: v for k, v in first.items() if k not in changed}
     if stream:
         *chunks, done = got
         assert done == "[DONE]"
@@ -366,3 +368,17 @@ def test_a_migration_counts_min_tokens_over_the_whole_answer(loop):
     status, _ = ask(loop, prefill, decode, max_tokens=4, extra={"min_tokens": 3})
     assert status == 200
     assert [r["sampling"]["min_tokens"] for r in prefill.requests] == [3, 1]
+
+
+def test_a_bypassed_handoff_whose_blocks_are_gone_goes_through_prefill(loop):
+    """Prefill bypassed its engine (decode held the prompt's KV, it said); decode found the
+    blocks evicted and failed closed: the request goes through prefill again, which may not
+    bypass this time, and the client gets one answer."""
+    bypassed = handoff_answer("a")
+    bypassed["stats"]["bypassed"] = True
+    prefill = Scripted([bypassed], [handoff_answer("b")])
+    decode = Scripted([envelope("kv_coverage", "server")], ANSWER)
+    status, got = ask(loop, prefill, decode)
+    assert status == 200 and got["choices"][0]["message"]["content"] == "Hello"
+    assert [r["allow_bypass"] for r in prefill.requests] == [True, False]
+    assert got["mmhandoff"]["retries"] == 1 and not got["mmhandoff"]["prefill"]["bypassed"]

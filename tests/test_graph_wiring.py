@@ -23,14 +23,19 @@ def _by_module(target: str) -> dict:
     return {c.module: c for c in load_graph(target)}
 
 
+NO_ROUTER = {"prefill": {"router": None}}
+
+
 @pytest.mark.parametrize("target, frontend, others", [
-    ("graphs.disagg:Frontend", {"prefill": "prefill.generate", "decode": "decode.generate"}, {}),
+    ("graphs.disagg:Frontend", {"prefill": "prefill.generate", "decode": "decode.generate"},
+     NO_ROUTER),
     ("graphs.full_media:Frontend",
-     {"prefill": "prefill.generate", "decode": "decode.generate"}, {}),
+     {"prefill": "prefill.generate", "decode": "decode.generate"}, NO_ROUTER),
     ("graphs.agg:Frontend", {"prefill": None, "decode": "agg.generate"}, {}),
-    # prefill's handoff goes through the router, which sends it on to decode
+    # prefill's handoff goes through the router, which sends it on to decode; prefill asks the
+    # router whether a decode replica holds a prompt's KV (bypass)
     ("graphs.disagg_router:Frontend", {"prefill": "prefill.generate", "decode": "router.generate"},
-     {"router": {"decode": "decode.generate"}}),
+     {"router": {"decode": "decode.generate"}, "prefill": {"router": "router.generate"}}),
 ])
 def test_each_component_is_wired_to_the_nearest_callee_serving_each_role(
         target, frontend, others):
@@ -38,7 +43,7 @@ def test_each_component_is_wired_to_the_nearest_callee_serving_each_role(
     assert graph["frontend"].wiring() == frontend
     for module, wiring in others.items():
         assert graph[module].wiring() == wiring
-    for module in ("prefill", "decode", "agg"):  # workers call nobody
+    for module in ("decode", "agg"):  # they call nobody
         assert module not in graph or graph[module].wiring() == {}
 
 
@@ -64,6 +69,9 @@ def test_serve_passes_the_wiring_as_flags():
     routed = _commands("graphs.disagg_router:Frontend", "configs/disagg_router.yaml")
     assert _flag(routed["frontend"], "--decode") == "router.generate"
     assert _flag(routed["router"], "--decode") == "decode.generate"
+    assert _flag(routed["prefill"], "--router") == "router.generate"
+    plain = _commands("graphs.disagg:Frontend", "configs/disagg.yaml")
+    assert _flag(plain["prefill"], "--router") == "none"
     assert routed["decode"][1:3] == ["-m", "mmhandoff.decode"]
 
 

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import openai
@@ -40,7 +41,20 @@ def _questions(image_server: str) -> dict[str, list[dict]]:
         "two images": ask("Compare them.", data_uri(encode(make_image(160, 120, 92))),
                           data_uri(encode(make_image(96, 128, 93), "JPEG"), "image/jpeg")),
         "text only": [{"role": "user", "content": "No picture today."}],
+        # a conversation's first turn, then (after it: decode holds its blocks) its follow-up,
+        # which the router graph answers by prefill's bypass
+        "first turn": FIRST_TURN,
+        "follow-up": FOLLOW_UP,
     }
+
+
+# Long enough that the image ends inside the turn's full KV blocks (decode can hold it all).
+FIRST_TURN = [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": data_uri(encode(make_image(96, 64, 94)))}},
+    {"type": "text", "text": "Look at this picture carefully and describe what you see in it, "
+                             "the colours, the shapes, and anything else that stands out."}]}]
+FOLLOW_UP = [*FIRST_TURN, {"role": "assistant", "content": "A small picture."},
+             {"role": "user", "content": "Tell me more."}]
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -213,7 +227,37 @@ def test_router_and_full_media_graphs_answer_as_agg(tmp_path, image_server, agg_
                 assert stats["request_bytes"] > 4096, (name, stats)
             else:
                 assert 0 < stats["request_bytes"] < 4096, (name, stats)
+        if "router" in target:
+            _check_bypass(graph, agg_answers["follow-up"])
         graph.stop()
+
+
+def _check_bypass(graph: Graph, agg: tuple) -> None:
+    """The follow-up again (its prefix has long been on a decode replica): answered as agg
+    answers it, by decode alone from its own cache; prefill's engine finished no request."""
+    before = _engine_loads(graph)["prefill-0"]["mmhandoff_engine_requests_finished_total"]
+    (text, prompt_tokens, completion_tokens, stats), = _answers(
+        graph.url, {"follow-up": FOLLOW_UP}).values()
+    assert (text, prompt_tokens, completion_tokens) == agg[:3]
+    assert stats["prefill"]["bypassed"] and stats["kv_tokens_pulled"] == 0, stats
+    assert stats["kv_tokens_local"] > 0
+    after = _engine_loads(graph)["prefill-0"]["mmhandoff_engine_requests_finished_total"]
+    assert after == before  # both asks (plain and streamed) bypassed prefill's engine
+    decisions = _router_metrics(graph)
+    assert decisions['mmhandoff_router_decisions_total{reason="bypass"}'] >= 2, decisions
+
+
+def _router_metrics(graph: Graph) -> Counter:
+    """The mmhandoff_router_* samples of every router replica, summed."""
+    out: Counter = Counter()
+    for name, url in graph.health_urls().items():
+        if name.startswith("router"):
+            with urllib.request.urlopen(url.replace("/health", "/metrics"), timeout=10) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith("mmhandoff_router_"):
+                        key, value = line.rsplit(" ", 1)
+                        out[key] += float(value)
+    return out
 
 
 def test_disagg_graph_on_etcd_and_nats_then_a_crash(tmp_path, image_server, agg_answers):

@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import urllib.request
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ import yaml
 
 from tests.conftest import data_uri, encode, make_image
 from tests.graph_runner import Graph, Servers
-from tests.test_graphs import MODEL, _client, _disagg_router, _restarted
+from tests.test_graphs import MODEL, _client, _disagg_router, _restarted, _router_metrics
 
 pytestmark = pytest.mark.graph
 
@@ -138,16 +136,3 @@ def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_
     assert kv['mmhandoff_router_decisions_total{reason="overlap"}'] >= 1
     assert 0 < kv["mmhandoff_router_overlap_blocks_total"] <= kv["mmhandoff_router_blocks_total"]
     assert rr['mmhandoff_router_decisions_total{reason="round_robin"}'] == len(trace)
-
-
-def _router_metrics(graph: Graph) -> Counter:
-    """The mmhandoff_router_* samples of every router replica, summed."""
-    out: Counter = Counter()
-    for name, url in graph.health_urls().items():
-        if name.startswith("router"):
-            with urllib.request.urlopen(url.replace("/health", "/metrics"), timeout=10) as r:
-                for line in r.read().decode().splitlines():
-                    if line.startswith("mmhandoff_router_"):
-                        key, value = line.rsplit(" ", 1)
-                        out[key] += float(value)
-    return out

@@ -17,7 +17,7 @@ from mmhandoff.router.scorers.overlap import OverlapScorer
 from mmhandoff.serving import block_feed
 from mmhandoff.serving.block_feed import BlockFeed
 from mmhandoff.wire.handoff import Features, Handoff, Sampling, Span
-from mmhandoff.wire.messages import KvBlocks
+from mmhandoff.wire.messages import KvBlocks, KvHeld
 
 pytestmark = pytest.mark.unit
 
@@ -44,12 +44,14 @@ class _Instances:
         return list(self.ids)
 
 
-def _handoff(tokens: list[int], image: str | None = "img-a") -> dict:
+def _handoff(tokens: list[int], image: str | None = "img-a", bypass: bool = False) -> dict:
+    """A handoff naming KV to pull from prefill, or (`bypass`) none: prefill's bypass."""
     spans = {"image": [Span(offset=2, length=8)]} if image else {}
     h = Handoff(v=1, request_id="r", model_fingerprint="f", token_ids=tokens,
                 features=Features(mm_hashes={"image": [image]} if image else {},
                                   mm_placeholders=spans),
-                requires_kv=True, kv_transfer_params={}, sampling=Sampling())
+                requires_kv=True, sampling=Sampling(),
+                kv_transfer_params={} if bypass else {"do_remote_prefill": True})
     return msgspec.to_builtins(h)
 
 
@@ -105,6 +107,30 @@ def test_load_breaks_a_tie_in_overlap(hasher):
         r.index.stored(instance, _blocks(r, h))
     r.in_flight[10] = 3
     assert r.pick(h) == (20, "overlap")
+
+
+def test_a_bypassed_handoff_goes_where_its_blocks_are_whatever_the_load(hasher):
+    """It names no KV to pull: only a replica holding its blocks can answer it."""
+    r = _router(hasher, weights={"overlap": 1, "load": 10})
+    h = _handoff(list(range(100, 121)), bypass=True)
+    r.index.stored(20, _blocks(r, h)[:3])
+    r.index.stored(30, _blocks(r, h)[:2])
+    r.in_flight.update({20: 5})
+    assert r.pick(h) == (20, "bypass")
+    pulled = _handoff(list(range(100, 121)))  # the same prompt with KV to pull: load weighs
+    assert r.pick(pulled) == (30, "overlap")
+
+
+def test_held_names_the_replica_with_the_most_leading_blocks(hasher):
+    r = _router(hasher)
+    h = _handoff(list(range(100, 121)), bypass=True)  # 5 full blocks
+    blocks = _blocks(r, h)
+    assert r.held(h) == KvHeld(instance=None, blocks_held=0, blocks=5)
+    r.index.stored(10, blocks[1:])  # not a prefix: no use
+    r.index.stored(30, blocks[:3])
+    assert r.held(h) == KvHeld(instance=30, blocks_held=3, blocks=5)
+    assert _router(hasher, policy="round_robin").held(h) == KvHeld()
+    assert r.held({"v": 1, "token_ids": "x"}) == KvHeld()
 
 
 def test_round_robin_policy_one_replica_and_an_unreadable_handoff_leave_it_to_dynamo(hasher):

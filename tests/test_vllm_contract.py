@@ -291,8 +291,15 @@ def test_what_the_vllm_engine_reads_of_vllm(engines):
     for name in ("uses_mrope", "is_encoder_decoder", "multimodal_config", "hf_config", "dtype"):
         assert hasattr(llm.model_config, name), f"ModelConfig.{name} is gone"
     assert llm.vllm_config.cache_config.block_size == 32  # check_blocks reads it
-    for name in ("get_tokenizer", "render_cmpl_async"):
+    for name in ("get_tokenizer", "render_cmpl_async", "mm_processor_cache"):
         assert hasattr(llm.renderer, name), f"the renderer's {name} is gone"
+    # inputs.not_yet_sent / forget_sent (prefill's bypass discards a render): the prefill
+    # engine's mirror of the core's processed-image cache
+    cache = engines.prefill.llm.renderer.mm_processor_cache
+    assert hasattr(cache, "is_cached_item") and hasattr(cache, "invalidate")
+    from vllm.v1.metrics.stats import IterationStats  # EngineLoad counts finished requests
+
+    assert isinstance(IterationStats().finished_requests, list)
     assert {"outputs", "finished", "prompt_token_ids", "kv_transfer_params"} <= set(
         _params(RequestOutput.__init__))
     assert {"token_ids", "text", "finish_reason", "stop_reason"} <= {

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmhandoff.prefill.worker import ERRORS
     from mmhandoff.serving.launch import run
 
-    return run("agg", "agg", ENDPOINT, lambda engine, args: AggWorker(engine), ERRORS, argv)
+    return run("agg", "agg", ENDPOINT, lambda engine, args, rt: AggWorker(engine), ERRORS, argv)
 
 
 if __name__ == "__main__":

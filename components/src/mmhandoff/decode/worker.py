@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmhandoff.decode.full_media import FullMediaDecodeWorker, InvalidFullMedia
     from mmhandoff.serving.launch import run
 
-    def make_worker(engine, args):
+    def make_worker(engine, args, rt):
         if args.full_media:
             return FullMediaDecodeWorker(engine, kv_deadline_s=args.kv_deadline_s)
         return DecodeWorker(engine, kv_deadline_s=args.kv_deadline_s, keys=args.handoff_keys)

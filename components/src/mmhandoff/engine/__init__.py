@@ -7,6 +7,7 @@ serve no more (None while it can). One request:
 
     prompt = engine.chat_prompt(conversation)            # the model's chat template, as text
     rendered = await engine.render(prompt, images)       # token ids; one hash + span per image
+    engine.discard(rendered)                             # (or: a render never submitted)
     request = engine.request(rendered, sampling)         # or: await engine.kv_only(handoff, id)
     async for step in engine.generate(request, id): ...  # typed steps, the last one finished
     await engine.abort(id)                               # frees its blocks; no-op once finished
@@ -53,6 +54,9 @@ class Rendered:
     token_ids: list[int]
     features: Features  # one content hash and one placeholder span per image
     engine_input: Any  # the implementation's own form, handed back to `request`
+    # images this render recorded as sent to the engine (vLLM: its processor cache's mirror):
+    # `discard` forgets them when the prompt is never submitted
+    first_sent: tuple[str, ...] = ()
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Step:
 class Engine(Protocol):
     fingerprint: str  # identity of what it computes: prefill's and decode's must be equal
     capabilities: Capabilities
+    block_size: int  # tokens per KV block
 
     def chat_prompt(self, conversation: list[dict[str, Any]]) -> str:
         """The chat template applied to messages whose image parts are `{"type": "image"}`."""
@@ -93,6 +98,11 @@ class Engine(Protocol):
         into its blocks' hashes, as it does on decode (`kv_only`): prefix-cache isolation, and
         the same hashes on both engines. `continued`: the prompt's last tokens are an answer's
         already sent (`extend`); the text streamed goes on from theirs."""
+        ...
+
+    def discard(self, rendered: Rendered) -> None:
+        """`rendered` will not be submitted (prefill's bypass): undo what rendering it recorded,
+        so that the next request with its images sends them to the engine."""
         ...
 
     def extend(self, rendered: Rendered, token_ids: list[int]) -> Rendered:

@@ -39,6 +39,7 @@ from mmhandoff.wire.handoff import Features, Handoff, Sampling, Span
 IMAGE = "<image>"
 IMAGE_TOKENS = 4
 IMAGE_TOKEN_ID = 3
+BLOCK_SIZE = 4  # tokens per (pretend) KV block
 VOCAB = 1000
 
 
@@ -81,6 +82,8 @@ class FakeEngine:
         self.capabilities = Capabilities(mrope=mrope, vision=role != "decode")
         self.running: set[str] = set()  # unfinished request ids: a test checks nothing leaks
         self.aborted: list[str] = []  # every abort asked for
+        self.discarded: list[Rendered] = []  # renders never submitted (discard)
+        self.block_size = BLOCK_SIZE
         self._dead: str | None = None
 
     # ---- Engine ---------------------------------------------------------------------------
@@ -119,10 +122,13 @@ class FakeEngine:
                            sampling.max_tokens if max_tokens is None else max_tokens,
                            kv_transfer_params, stop_token_ids=list(sampling.stop_token_ids))
 
+    def discard(self, rendered: Rendered) -> None:
+        self.discarded.append(rendered)
+
     def extend(self, rendered: Rendered, token_ids: list[int]) -> Rendered:
         ids = [*rendered.token_ids, *token_ids]
         self._check_length(ids)
-        return Rendered(ids, rendered.features, rendered.engine_input)
+        return Rendered(ids, rendered.features, rendered.engine_input, rendered.first_sent)
 
     async def kv_only(self, handoff: Handoff, request_id: str) -> FakeRequest:
         ids, max_tokens = list(handoff.token_ids), handoff.sampling.max_tokens

@@ -276,10 +276,12 @@ class Frontend:
                     self.metrics.migrations.inc()
                 else:
                     raise api_error(e) from None
+                # a bypassed handoff whose blocks were evicted fails closed: prefill this time
+                request = msgspec.structs.replace(request, allow_bypass=False)
                 if generated:
                     sampling = prefill_request.sampling
                     request = msgspec.structs.replace(
-                        prefill_request, continuation=list(generated),
+                        prefill_request, continuation=list(generated), allow_bypass=False,
                         sampling=msgspec.structs.replace(
                             sampling, max_tokens=left,
                             min_tokens=max(sampling.min_tokens - len(generated), 0)))

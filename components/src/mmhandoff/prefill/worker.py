@@ -8,20 +8,24 @@ gets it at once) and a Handoff that carries no media, with which decode continue
 token. When that token ends the answer (a stop token, or the client asked for one token), there
 is no handoff and no blocks are held: `max_tokens` 1 runs without `do_remote_decode`, and a stop
 frees the blocks at once (RELEASE_ON_STOP_KEY). A request with `first_token` False gets the older
-contract: prefill's token is dropped and decode samples the first token.
+contract: prefill's token is dropped and decode samples the first token. With a router and
+`bypass_max_tokens`, a prompt a decode replica already holds is not prefilled at all
+(prefill.bypass): the handoff names no KV and decode samples every token.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from contextlib import aclosing
 import uuid
+from contextlib import aclosing
 from typing import AsyncIterator
 
 import msgspec
 
 from mmhandoff.engine import RELEASE_ON_STOP_KEY, Engine, EngineInputError, Rendered, Step
 from mmhandoff.media.images import ImageError, ImageLimits, data_uri_bytes
+from mmhandoff.prefill.bypass import decode_can_answer
 from mmhandoff.prefill.prompt import InvalidRequest, PromptBuilder
 from mmhandoff.wire.handoff import VERSION, Handoff, sign
 from mmhandoff.wire.messages import (
@@ -51,13 +55,15 @@ class PrefillWorker:
 
     def __init__(self, engine: Engine, *, limits: ImageLimits = ImageLimits(),
                  full_media: bool = False, key: bytes | None = None,
-                 ttl_s: float = HANDOFF_TTL_S) -> None:
+                 ttl_s: float = HANDOFF_TTL_S, router=None, bypass_max_tokens: int = 0) -> None:
         """`key`: sign every handoff with it, with a nonce and an expiry `ttl_s` from now
-        (decode is given the same key)."""
+        (decode is given the same key). `router` (a RouterLookup) and `bypass_max_tokens` > 0:
+        skip the engine for a prompt a decode replica can answer from its own cache (bypass)."""
         self.engine = engine
         self.prompts = PromptBuilder(engine, limits)
         self.full_media = full_media
         self.key, self.ttl_s = key, ttl_s
+        self.router, self.bypass_max_tokens = router, bypass_max_tokens
 
     async def prefill(self, request: PrefillRequest) -> PrefillAnswer:
         """The answer's first token (unless `request.first_token` is False), the handoff for
@@ -69,8 +75,17 @@ class PrefillWorker:
         one_token = first_token and request.sampling.max_tokens == 1
         kv_params = None if one_token else {"do_remote_decode": True,
                                             RELEASE_ON_STOP_KEY: first_token}
+        rendered = await self._render(request, images)
+        bypass = await self._bypass(request, rendered)
+        if bypass is not None:
+            self.engine.discard(rendered)  # the engine never gets it
+            return PrefillAnswer(handoff=bypass, stats=PrefillStats(
+                images=len(images), image_bytes=sum(i.source_bytes for i in images),
+                prompt_tokens=len(rendered.token_ids),
+                prepare_ms=(time.perf_counter() - t0) * 1e3, prefill_ms=0.0, bypassed=True))
         for attempt in (1, 2):
-            rendered = await self._render(request, images)
+            if attempt == 2:
+                rendered = await self._render(request, images)
             t1 = time.perf_counter()
             final, token_ids, text = await self._sample(request, rendered, kv_params)
             # An error with no token is the engine's retryable answer when its cache of
@@ -118,6 +133,28 @@ class PrefillWorker:
             handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
         return PrefillAnswer(first=first, handoff=handoff, stats=stats)
 
+    async def _bypass(self, request: PrefillRequest, rendered: Rendered) -> Handoff | None:
+        """The handoff that sends `request` straight to a decode replica holding its KV
+        (prefill.bypass), or None: no router, bypass off or not allowed for this request, a
+        continued answer, the router away, or no replica holds enough."""
+        if (self.router is None or self.bypass_max_tokens <= 0 or not request.allow_bypass
+                or request.continuation or self.full_media):
+            return None
+        handoff = Handoff(
+            v=VERSION, request_id=request.request_id, model_fingerprint=self.engine.fingerprint,
+            token_ids=rendered.token_ids, features=rendered.features,
+            requires_kv=bool(rendered.features.mm_hashes), kv_transfer_params={},
+            sampling=request.sampling, cache_salt=request.cache_salt)
+        try:
+            held = await self.router.held(handoff)
+        except Exception as e:  # the router is a hint: without it, prefill as usual
+            print(f"[prefill] router lookup failed ({e!r}): prefilling", file=sys.stderr,
+                  flush=True)
+            return None
+        if not decode_can_answer(handoff, held, self.engine.block_size, self.bypass_max_tokens):
+            return None
+        return sign(handoff, self.key, ttl_s=self.ttl_s) if self.key is not None else handoff
+
     async def _render(self, request: PrefillRequest, images) -> Rendered:
         rendered = await self.engine.render(self.prompts.text(request), images)
         if request.continuation:
@@ -163,9 +200,18 @@ ERRORS = (ImageError, InvalidRequest, EngineInputError, PrefillError)
 def main(argv: list[str] | None = None) -> int:
     from mmhandoff.serving.launch import run
 
-    def make_worker(engine, args):
+    async def make_worker(engine, args, rt):
         key = args.handoff_keys[0] if args.handoff_keys else None  # the first key signs
-        return PrefillWorker(engine, full_media=args.full_media, key=key)
+        router = None
+        if args.router != "none" and args.bypass_max_tokens > 0:
+            from mmhandoff.prefill.bypass import RouterLookup
+            from mmhandoff.router.router import HELD
+
+            component = args.router.rsplit(".", 1)[0]
+            router = RouterLookup(await (
+                rt.endpoint(f"{args.namespace}.{component}.{HELD}").client()))
+        return PrefillWorker(engine, full_media=args.full_media, key=key, router=router,
+                             bypass_max_tokens=args.bypass_max_tokens)
 
     return run("prefill", "prefill", ENDPOINT, make_worker, ERRORS, argv)
 

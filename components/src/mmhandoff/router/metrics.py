@@ -14,7 +14,8 @@ class _Collector:
     def collect(self):
         r = self.router
         decisions = CounterMetricFamily("mmhandoff_router_decisions", "Handoffs routed, by "
-                                        "reason (overlap, load, round_robin, unparsed)",
+                                        "reason (overlap, load, bypass: prefill skipped, "
+                                        "round_robin, unparsed)",
                                         labels=["reason"])
         for reason, n in sorted(r.decisions.items()):
             decisions.add_metric([reason], n)
@@ -25,6 +26,8 @@ class _Collector:
                                   "chosen replica held (by the index)", value=r.overlap_total)
         yield CounterMetricFamily("mmhandoff_router_decision_seconds", "Time spent deciding "
                                   "(hashing, lookup, scoring)", value=r.decision_s_total)
+        yield CounterMetricFamily("mmhandoff_router_lookups", "Prompts prefill asked about "
+                                  "(router.held: may its engine be bypassed?)", value=r.lookups)
         yield GaugeMetricFamily("mmhandoff_router_index_blocks", "Distinct blocks in the index",
                                 value=len(r.index))
         yield GaugeMetricFamily("mmhandoff_router_index_instances", "Decode instances indexed",

@@ -27,6 +27,7 @@ from mmhandoff.router.scorers.load import LoadScorer
 from mmhandoff.router.scorers.overlap import OverlapScorer
 from mmhandoff.serving.runtime import RemoteError, call, error_envelope
 from mmhandoff.wire.handoff import HandoffError, decode_handoff
+from mmhandoff.wire.messages import KvHeld
 
 SCORERS = {s.name: s for s in (OverlapScorer(), LoadScorer())}
 DEFAULT_WEIGHTS = {"overlap": 1.0, "load": 0.1}
@@ -52,6 +53,7 @@ class Router:
         self.decisions: Counter[str] = Counter()  # by reason (router.metrics)
         self.blocks_total = self.overlap_total = 0  # the prompts' blocks; the chosen held
         self.decision_s_total = 0.0
+        self.lookups = 0  # router.held calls (prefill's bypass)
 
     def pick(self, handoff: dict) -> tuple[int | None, str]:
         """(decode instance, reason) for this handoff; instance None = Dynamo's round robin."""
@@ -64,8 +66,11 @@ class Router:
             return None, "unparsed"
         hashes = self.hasher.of_handoff(h)
         c = Candidates(live, self.index.overlap(hashes), len(hashes), dict(self.in_flight))
+        # prefill's bypass: a handoff that names no KV to pull can only be answered where its
+        # blocks are, so the overlap alone decides (prefill.bypass)
+        weights = {"overlap": 1.0} if not h.kv_transfer_params else self.weights
         total = dict.fromkeys(live, 0.0)
-        for name, weight in self.weights.items():
+        for name, weight in weights.items():
             for instance, score in SCORERS[name].score(c).items():
                 total[instance] += weight * score
         best = max(total.values())
@@ -76,7 +81,29 @@ class Router:
         self._turn += 1
         self.blocks_total += len(hashes)
         self.overlap_total += c.overlap.get(choice, 0)
+        if not h.kv_transfer_params:
+            return choice, "bypass"
         return choice, ("overlap" if c.overlap.get(choice, 0) else "load")
+
+    def held(self, handoff: dict) -> KvHeld:
+        """The live decode instance holding most of the handoff's leading blocks (for prefill's
+        bypass: prefill.bypass), by the same index and hashes as `pick`."""
+        live = sorted(self.decode.instance_ids())
+        if self.policy != "kv" or not live:
+            return KvHeld()
+        try:
+            h = decode_handoff(msgspec.msgpack.encode(handoff))
+        except HandoffError:
+            return KvHeld()
+        hashes = self.hasher.of_handoff(h)
+        overlap = self.index.overlap(hashes)
+        best = max(live, key=lambda i: (overlap.get(i, 0), -self.in_flight[i]))
+        held = overlap.get(best, 0)
+        return KvHeld(instance=best if held else None, blocks_held=held, blocks=len(hashes))
+
+    async def handle_held(self, handoff: dict) -> AsyncIterator[dict[str, Any]]:
+        self.lookups += 1
+        yield msgspec.to_builtins(self.held(handoff))
 
     async def handle(self, handoff: dict) -> AsyncIterator[dict[str, Any]]:
         t0 = time.perf_counter()
@@ -109,6 +136,7 @@ def _weights(text: str) -> dict[str, float]:
 
 
 ENDPOINT = "router.generate"
+HELD = "held"  # the second endpoint, <component>.held: which replica holds a prompt's blocks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"s; routing by load until they do", file=sys.stderr, flush=True)
         publish_router_metrics(rt.endpoint(f"{args.namespace}.{ENDPOINT}"), router, follower)
         served = serve(rt, f"{args.namespace}.{ENDPOINT}", router.handle, ())
+        held_path = f"{args.namespace}.{ENDPOINT.rsplit('.', 1)[0]}.{HELD}"
+        serving_held = serve(rt, held_path, router.handle_held, ())
         rt.set_health_status(True)
         print(f"[{args.namespace}.{ENDPOINT}] ready", file=sys.stderr, flush=True)
         stop = asyncio.Event()
@@ -166,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         if follow is not None:
             follow.cancel()
         rt.shutdown()
-        await asyncio.wait([served], timeout=30)
+        await asyncio.wait([served, serving_held], timeout=30)
         return 0
 
     return run_loop(run())

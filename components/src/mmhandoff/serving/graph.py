@@ -9,16 +9,20 @@ The links are the request's path, and the only place the wiring is written: a co
 calls others gets, for each role it calls, the endpoint of the first component down its links
 that serves that role (`wiring`); `serve` passes them as `--<role> <endpoint>`. So the frontend
 of `frontend -> prefill -> router -> decode` sends prefill's handoff to the router, and the
-router sends it to decode; in `frontend -> agg` there is no prefill (`--prefill none`).
+router sends it to decode (prefill asks the router too, for its bypass); in `frontend -> agg`
+there is no prefill (`--prefill none`), and in `frontend -> prefill -> decode` no router
+(prefill gets `--router none`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The role each component plays for its callers, and the roles it calls (its flags).
-SERVES = {"prefill": "prefill", "decode": "decode", "agg": "decode", "router": "decode"}
-CALLS = {"frontend": ("prefill", "decode"), "router": ("decode",)}
+# The roles each component plays for its callers, and the roles it calls (its flags). The
+# router takes handoffs for decode, and answers prefill which replica holds a prompt's KV.
+SERVES = {"prefill": ("prefill",), "decode": ("decode",), "agg": ("decode",),
+          "router": ("decode", "router")}
+CALLS = {"frontend": ("prefill", "decode"), "router": ("decode",), "prefill": ("router",)}
 
 
 @dataclass(eq=False)
@@ -42,7 +46,8 @@ class Component:
             if c not in order:
                 order.append(c)
                 queue += c.links
-        return {role: next((c.endpoint for c in order if SERVES.get(c.module) == role), None)
+        return {role: next((c.endpoint for c in order if role in SERVES.get(c.module, ())),
+                           None)
                 for role in CALLS.get(self.module, ())}
 
     def link(self, other: "Component") -> "Component":

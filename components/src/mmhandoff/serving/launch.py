@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import ipaddress
 import json
 import os
@@ -40,6 +41,14 @@ def parser(role: str) -> argparse.ArgumentParser:
                    help="prefill signs each handoff with this key, decode refuses any handoff "
                         f"not signed with it (default ${KEY_FILE_ENV}; or the key itself in "
                         f"${KEY_ENV}, e.g. from a Kubernetes Secret)")
+    if role == "prefill":
+        p.add_argument("--router", default="none",
+                       help="the router's endpoint (serve wires it from the graph), asked which "
+                            "decode replica holds a prompt's KV; none: no bypass")
+        p.add_argument("--bypass-max-tokens", type=int, default=0,
+                       help="skip prefill's engine when a decode replica holds the prompt's KV "
+                            "through its last image and at most this many prompt tokens are "
+                            "left to compute (0: never; docs/routing.md)")
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg,
                    metavar="NAME=VALUE",
                    help="passed to vLLM's engine arguments as is, after mmhandoff's own (VALUE "
@@ -107,8 +116,9 @@ def engine_spec(args: argparse.Namespace, role: str, kv_events_endpoint: str | N
 def run(role: str, spec_role: str | Callable, endpoint: str, make_worker: Callable,
         errors: tuple, argv: list[str] | None = None) -> int:
     """`spec_role`: the EngineSpec role, or a function of the parsed arguments giving it.
-    `make_worker(engine, args)`: the worker, whose `handle` serves the endpoint and whose
-    `warm_up()`, if it has one, runs before the worker reports ready."""
+    `make_worker(engine, args, rt)` (a coroutine function, or a plain one): the worker, whose
+    `handle` serves the endpoint and whose `warm_up()`, if it has one, runs before the worker
+    reports ready; `rt` is the Dynamo runtime, for workers that call other components."""
     args = parser(role).parse_args(argv)
     from mmhandoff.serving.runtime import run as run_loop
     from mmhandoff.vllm_adapter import fast_exit
@@ -142,7 +152,9 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     # the blocks the engine holds, for routers (started before requests can come)
     feed, subscriber, _ = block_feed.start_feed(
         rt, path.rsplit(".", 1)[0], events, spec.extra.get("block_size", spec.block_size))
-    worker = make_worker(engine, args)
+    worker = make_worker(engine, args, rt)
+    if inspect.isawaitable(worker):
+        worker = await worker
     if hasattr(worker, "warm_up"):  # the first client's request as fast as the rest
         await worker.warm_up()
     served = serve(rt, path, worker.handle, errors)

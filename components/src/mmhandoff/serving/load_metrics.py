@@ -1,12 +1,13 @@
 """A worker's engine load on its Dynamo system status server (`/metrics` at DYN_SYSTEM_PORT,
 next to `/health`): the share of KV cache blocks that requests hold, and the requests running
-and waiting, as of the engine's last step (an EngineLoad). What an operator watches; what the
-graph tests read to check that no KV is held once every request has ended."""
+and waiting, as of the engine's last step, and the requests it finished (an EngineLoad). What an
+operator watches; what the graph tests read to check that no KV is held once every request has
+ended, and that a bypassed request never reached prefill's engine."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class _Collector:
@@ -24,6 +25,9 @@ class _Collector:
         yield GaugeMetricFamily("mmhandoff_engine_requests_waiting", "Requests queued for the "
                                 "engine (a decode request pulling its KV included)",
                                 value=load.num_waiting)
+        yield CounterMetricFamily("mmhandoff_engine_requests_finished", "Requests the engine "
+                                  "finished (answered, stopped, aborted or failed)",
+                                  value=load.requests_finished)
 
 
 def publish_engine_load(endpoint, load) -> None:

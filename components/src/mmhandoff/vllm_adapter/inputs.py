@@ -54,6 +54,33 @@ async def render_prompt(engine, prompt: str, images: list, identifiers: list[str
     return RenderedPrompt(engine_input, token_ids, Features(mm_hashes=hashes, mm_placeholders=spans))
 
 
+def not_yet_sent(engine, identifiers: list[str]) -> tuple[str, ...]:
+    """The images vLLM's frontend-side processor cache does not yet record as sent to the engine
+    core. That cache mirrors the core's cache of processed images: an image it records is sent
+    as its hash alone, and rendering records it."""
+    cache = engine.renderer.mm_processor_cache
+    if cache is None:
+        return ()
+    return tuple(h for h in dict.fromkeys(identifiers) if not cache.is_cached_item(h))
+
+
+def forget_sent(engine, identifiers: tuple[str, ...]) -> None:
+    """Undo the record rendering left for images of a prompt that is never submitted: else the
+    next request with one of them would send its hash alone, and the core, which never got it,
+    would fail that request (vLLM 0.31 answers it with a retryable error; 0.26 asserts)."""
+    cache = engine.renderer.mm_processor_cache
+    if cache is None or not identifiers:
+        return
+    forget = getattr(cache, "invalidate", None)  # vLLM 0.31
+    if forget is None:  # vLLM 0.26: the mirror's own LRU store
+        store = getattr(cache, "_cache", None)
+        if store is None:  # a cache that always sends the data (shared memory): nothing to undo
+            return
+        forget = lambda h: store.pop(h, None)  # noqa: E731
+    for h in identifiers:
+        forget(h)
+
+
 def sampling_params(s: Sampling, *, max_tokens: int | None = None,
                     kv_transfer_params: dict[str, Any] | None = None,
                     done: int = 0) -> SamplingParams:

@@ -19,6 +19,7 @@ class EngineLoad:
         self.num_running = 0
         self.num_waiting = 0
         self.generation_tokens = 0  # generated since start, all requests
+        self.requests_finished = 0  # requests the engine finished since start (any reason)
         self.updated_at = 0.0  # time.monotonic() of the last step seen; 0: none yet
 
     def logger_factory(self):
@@ -36,6 +37,7 @@ class EngineLoad:
                     load.updated_at = time.monotonic()
                 if iteration_stats is not None:
                     load.generation_tokens += iteration_stats.num_generation_tokens
+                    load.requests_finished += len(iteration_stats.finished_requests)
 
             def log_engine_initialized(self) -> None:
                 pass

@@ -8,10 +8,12 @@ from typing import Any, AsyncIterator, Sequence
 from mmhandoff.engine import Capabilities, EngineInputError, Rendered, Step
 from mmhandoff.media.images import LoadedImage
 from mmhandoff.vllm_adapter.inputs import (
+    forget_sent,
     kv_coverage_cause,
     kv_only_request,
     kv_stats,
     model_fingerprint,
+    not_yet_sent,
     render_prompt,
     sampling_params,
 )
@@ -71,12 +73,16 @@ class VllmEngine:
             conversation, tokenize=False, add_generation_prompt=True)
 
     async def render(self, prompt: str, images: Sequence[LoadedImage]) -> Rendered:
+        identifiers = [i.content_hash for i in images]
+        fresh = not_yet_sent(self.llm, identifiers)
         try:
-            r = await render_prompt(self.llm, prompt, [i.image for i in images],
-                                    [i.content_hash for i in images])
+            r = await render_prompt(self.llm, prompt, [i.image for i in images], identifiers)
         except self._refused as e:
             raise EngineInputError(str(e)) from None
-        return Rendered(r.token_ids, r.features, r.engine_input)
+        return Rendered(r.token_ids, r.features, r.engine_input, first_sent=fresh)
+
+    def discard(self, rendered: Rendered) -> None:
+        forget_sent(self.llm, rendered.first_sent)
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
                 kv_transfer_params: dict[str, Any] | None = None,
@@ -101,7 +107,7 @@ class VllmEngine:
         engine_input = dict(rendered.engine_input, prompt_token_ids=ids)
         for stale in ("prompt", "prompt_token_offsets"):  # they describe the shorter prompt
             engine_input.pop(stale, None)
-        return Rendered(ids, rendered.features, engine_input)
+        return Rendered(ids, rendered.features, engine_input, rendered.first_sent)
 
     async def kv_only(self, handoff: Handoff, request_id: str) -> Any:
         if self._tasks is None:

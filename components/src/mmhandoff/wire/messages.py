@@ -52,6 +52,9 @@ class PrefillRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Prefill's sampled token is the answer's first (streamed at once; decode continues after
     # it). False: the older contract, decode samples it (benchmarks compare the two).
     first_token: bool = True
+    # Prefill may skip its engine when a decode replica already holds the prompt's KV (the
+    # router's bypass, docs/routing.md). False: the frontend's retry after such a handoff failed.
+    allow_bypass: bool = True
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (not self.messages):
@@ -68,6 +71,9 @@ class PrefillStats(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     prepare_ms: float  # image decode + hashing + rendering
     prefill_ms: float
+    # the handoff names no KV to pull: decode's prefix cache holds the prompt through its last
+    # image, and prefill's engine never saw the request (docs/routing.md, "Prefill bypass")
+    bypassed: bool = False
 
 
 class FullMediaRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -177,6 +183,16 @@ class KvBlocks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kind: Literal["snapshot", "stored", "removed", "cleared"]
     hashes: list[int | bytes] = []
     block_size: int = 0  # in a snapshot: the engine's, which a router must hash with
+
+
+class KvHeld(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What router.held answers for a prompt (sent as a handoff that names no KV): the live
+    decode instance holding most of its leading blocks (None: none holds any), how many it
+    holds, and the prompt's full blocks."""
+
+    instance: int | None = None
+    blocks_held: int = 0
+    blocks: int = 0
 
 
 class Alive(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
