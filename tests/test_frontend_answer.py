@@ -350,11 +350,13 @@ def test_a_handoff_whose_client_left_after_the_first_token_still_reaches_decode(
     assert decode.requests == [handoff_answer(first=FIRST)["handoff"]]
 
 
-def test_penalties_over_the_answer_let_decode_sample_every_token(loop):
-    """vLLM counts presence and frequency penalties over an engine's own output: prefill's token
-    would be in decode's prompt, not counted. Such a request asks prefill for no first token."""
+def test_penalties_and_stop_strings_let_decode_sample_every_token(loop):
+    """vLLM counts presence and frequency penalties over an engine's own output (prefill's token
+    would be in decode's prompt, not counted), and holds back streamed text that may begin a stop
+    string (prefill's token is streamed at once). Such a request asks prefill for no first
+    token."""
     for extra, first_token in (({"presence_penalty": 0.5}, False),
-                               ({"frequency_penalty": -1}, False),
+                               ({"frequency_penalty": -1}, False), ({"stop": ["\n"]}, False),
                                ({"repetition_penalty": 1.2}, True), ({}, True)):
         prefill = Scripted([handoff_answer()])
         status, _ = ask(loop, prefill, Scripted(ANSWER), extra=extra)

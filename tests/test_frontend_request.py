@@ -154,6 +154,12 @@ BAD_CASES = {
     "min_tokens over max_tokens": (chat_body(GOOD, min_tokens=9, max_tokens=8), 400,
                                    "invalid_sampling"),
     "min_tokens negative": (chat_body(GOOD, min_tokens=-1), 400, "invalid_sampling"),
+    "stop a number": (chat_body(GOOD, stop=5), 400, "invalid_sampling"),
+    "stop with an empty string": (chat_body(GOOD, stop=["a", ""]), 400, "invalid_sampling"),
+    "stop too many": (chat_body(GOOD, stop=[str(i) for i in range(17)]), 400,
+                      "invalid_sampling"),
+    "include_stop_str_in_output 1": (chat_body(GOOD, include_stop_str_in_output=1), 400,
+                                     "invalid_sampling"),
 }
 
 
@@ -231,7 +237,7 @@ def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
     assert (refused.value.status, refused.value.code) == (413, "image_too_large")
 
 
-UNAPPLIED_CASES = [("n", 2), ("best_of", 3), ("stop", "\n"), ("stop", ["a"]),
+UNAPPLIED_CASES = [("n", 2), ("best_of", 3),
                    ("logprobs", True), ("top_logprobs", 5),
                    ("echo", True), ("logit_bias", {"5": 10}),
                    ("response_format", {"type": "json_object"}),
@@ -269,7 +275,12 @@ def test_sampling_settings_reach_the_request_as_vllm_reads_them():
     s = asyncio.run(RequestReader(MODEL).completion(body)).sampling
     assert (s.top_k, s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty,
             s.min_tokens) == (0, 0.05, 1.3, -0.5, 2.0, 8)  # top_k -1 is vLLM's "off", as 0
-    assert s.counts_answer_tokens()
+    assert s.whole_answer_on_one_engine()
     plain = asyncio.run(RequestReader(MODEL).completion({"model": MODEL, "prompt": "x"})).sampling
     assert (plain.top_k, plain.min_p, plain.repetition_penalty, plain.min_tokens) == (0, 0, 1, 0)
-    assert not plain.counts_answer_tokens()
+    assert not plain.whole_answer_on_one_engine()
+    for stop, expected in (("\n", ["\n"]), (["a", "bc"], ["a", "bc"]), ("", []), (None, [])):
+        s = asyncio.run(RequestReader(MODEL).completion(
+            {"model": MODEL, "prompt": "x", "stop": stop, "include_stop_str_in_output": True}))
+        assert (s.sampling.stop, s.sampling.include_stop_str_in_output) == (expected, True)
+        assert s.sampling.whole_answer_on_one_engine() == bool(expected)

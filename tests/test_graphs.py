@@ -518,7 +518,7 @@ def _no_kv_held(graph, within_s: float = 10) -> None:
     deadline = time.monotonic() + within_s
     while True:
         loads = _engine_loads(graph)
-        if loads and all(load == idle for load in loads.values()):
+        if loads and all({k: load[k] for k in idle} == idle for load in loads.values()):
             return
         assert time.monotonic() < deadline, loads
         time.sleep(0.2)

@@ -321,3 +321,71 @@ def test_min_tokens_counts_the_whole_answer(loop, workers, engines):
     assert agg[:i] == masked[:i] and len(agg) == i + 1  # stopped at the mark
     tokens, last, _ = loop.run(handoff_run(prefill, decode, "m-handoff", messages, s))
     assert tokens == agg and last.finish_reason == "stop"
+
+
+async def ended(chunks) -> tuple[list[int], str, str | None]:
+    """Token ids, text and finish reason of a stream of chunks."""
+    ids, text, finish = [], "", None
+    async for c in chunks:
+        ids += c.token_ids
+        text += c.text
+        finish = c.finish_reason or finish
+    return ids, text, finish
+
+
+def _stop_in_the_middle(text: str, start: int) -> str:
+    """Three characters of `text` from `start` on that occur there first (and are whole)."""
+    return next(text[i:i + 3] for i in range(start, len(text) - 3)
+                if text.find(text[i:i + 3]) == i and "\ufffd" not in text[i:i + 3])
+
+
+def test_stop_strings_end_the_answer_where_agg_ends_it(loop, workers, engines):
+    """Tokens, text (cut before the stop string, or after it when asked to include it) and
+    finish reason equal agg's. Decode samples the whole answer, as the frontend asks for a
+    request with stop strings."""
+    prefill, decode, _ = workers
+    messages = chat("Describe it.", data_uri(encode(make_image(320, 240, 8))))
+    agg_worker = AggWorker(engines.full)
+
+    def agg(rid, s):
+        return loop.run(ended(agg_worker.generate(PrefillRequest(
+            request_id=rid, messages=messages, sampling=s))))
+
+    _, plain, _ = agg("stop-plain", greedy(24, ignore_eos=True))
+    stop = _stop_in_the_middle(plain, len(plain) // 3)
+    for include in (False, True):
+        s = greedy(24, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+        ids, text, finish = agg(f"stop-agg-{include}", s)
+        cut = plain.index(stop) + (len(stop) if include else 0)
+        assert (text, finish) == (plain[:cut], "stop") and len(ids) < 24
+        handoff, _ = loop.run(prefill.handoff(PrefillRequest(
+            request_id=f"stop-{include}", messages=messages, sampling=s, first_token=False)))
+        assert loop.run(ended(decode.generate(handoff))) == (ids, text, finish), include
+
+
+def test_a_stop_string_that_began_in_the_tokens_already_sent_ends_a_continued_answer(
+        loop, workers, engines):
+    """A migrated answer: the stop string spans the tokens already sent and the next one. vLLM's
+    engine sees only its own output; the adapter's continued text sees both, and the answer
+    ends at the same token as agg's."""
+    prefill, decode, _ = workers
+    messages = chat("Describe it.", data_uri(encode(make_image(320, 240, 9))))
+    plain = loop.run(streamed(AggWorker(engines.full).generate(PrefillRequest(
+        request_id="cstop-plain", messages=messages, sampling=greedy(24, ignore_eos=True)))))
+    texts = [t for _, t in plain]
+    # k: a boundary with whole text on both sides; the stop string: last char sent + next 2
+    k = next(k for k in range(4, 20) if texts[k - 1] and len(texts[k]) >= 2
+             and "\ufffd" not in texts[k - 1][-1] + texts[k][:2])
+    stop = texts[k - 1][-1] + texts[k][:2]
+    full = "".join(texts)
+    assert full.find(stop) == len("".join(texts[:k])) - 1, "the premise: it first occurs there"
+    s = greedy(24, ignore_eos=True, stop=[stop])
+    request = PrefillRequest(request_id="cstop", messages=messages, first_token=False,
+                             sampling=greedy(24 - k, ignore_eos=True, stop=[stop]),
+                             continuation=[t for t, _ in plain[:k]])
+    handoff, _ = loop.run(prefill.handoff(request))
+    ids, _, finish = loop.run(ended(decode.generate(handoff)))
+    agg_ids, _, agg_finish = loop.run(ended(AggWorker(engines.full).generate(PrefillRequest(
+        request_id="cstop-agg", messages=messages, sampling=s))))
+    assert (agg_finish, len(agg_ids)) == ("stop", k + 1)
+    assert ([t for t, _ in plain[:k]] + ids, finish) == (agg_ids, "stop")

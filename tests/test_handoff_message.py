@@ -154,7 +154,8 @@ def _wire(d: dict) -> bytes:
     (lambda d: d.update(first_token=5, v=1), MalformedHandoff),  # a v2 field
     *[(lambda d, k=k, v=v: d.update(v=2, sampling={k: v}), MalformedHandoff)  # v3 fields
       for k, v in (("min_p", 0.1), ("min_tokens", 1), ("repetition_penalty", 1.1),
-                   ("presence_penalty", 0.5), ("frequency_penalty", -0.5))],
+                   ("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("stop", ["x"]),
+                   ("include_stop_str_in_output", True))],
     (lambda d: d.update(sampling={"max_tokens": 4, "min_tokens": 5}), MalformedHandoff),
     (lambda d: d.update(first_token=5, sampling={"max_tokens": 1}), MalformedHandoff),
 ])

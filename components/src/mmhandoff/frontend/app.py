@@ -169,8 +169,9 @@ class Frontend:
         options = stream_options(body)  # before read() fetches any image
         prefill_request = await read(body)
         # decode samples the first token too: the older contract (benchmarks compare them), or
-        # penalties over the answer's tokens, which vLLM counts over its own output only
-        if self.first_token_from == "decode" or prefill_request.sampling.counts_answer_tokens():
+        # settings that need one engine to sample the whole answer (penalties, stop strings)
+        if (self.first_token_from == "decode"
+                or prefill_request.sampling.whole_answer_on_one_engine()):
             prefill_request = msgspec.structs.replace(prefill_request, first_token=False)
         self.metrics.in_flight.inc()
         try:

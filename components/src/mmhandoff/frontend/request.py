@@ -199,11 +199,13 @@ class RequestReader:
 
 
 MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
 def _sampling_extras(body: dict, max_tokens: int) -> dict[str, Any]:
-    """top_k, min_p, the penalties and min_tokens, under vLLM's own rules (SamplingParams'
-    checks), so that a value vLLM would refuse is a 400 here, before any work."""
+    """top_k, min_p, the penalties, stop strings and min_tokens, under vLLM's own rules
+    (SamplingParams' checks), so that a value vLLM would refuse is a 400 here, before any
+    work."""
     out: dict[str, Any] = {}
     top_k = body.get("top_k")
     if top_k is not None:
@@ -224,6 +226,23 @@ def _sampling_extras(body: dict, max_tokens: int) -> dict[str, Any]:
         if not (_number(value) and valid(value)):  # NaN fails every rule
             raise ApiError(400, f"{name} must be a number {rule}", "invalid_sampling")
         out[name] = float(value)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop] if stop else []  # "" asks for nothing, as in vLLM
+    if stop is not None:
+        if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+                or any(not isinstance(x, str) or not 0 < len(x) <= MAX_STOP_CHARS
+                       for x in stop)):
+            raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_STRINGS} "
+                                f"non-empty strings of at most {MAX_STOP_CHARS} characters",
+                           "invalid_sampling")
+        out["stop"] = stop
+    include = body.get("include_stop_str_in_output")  # vLLM's extension
+    if include is not None:
+        if type(include) is not bool:
+            raise ApiError(400, "include_stop_str_in_output must be a boolean",
+                           "invalid_sampling")
+        out["include_stop_str_in_output"] = include
     min_tokens = body.get("min_tokens")
     if min_tokens is not None:
         if type(min_tokens) is not int or not 0 <= min_tokens <= max_tokens:
@@ -238,8 +257,7 @@ def _sampling_extras(body: dict, max_tokens: int) -> dict[str, Any]:
 # applied, one choice for n=2, no JSON for a schema) looks right and is wrong. tools: vLLM itself
 # refuses them unless a tool parser is configured.
 UNAPPLIED: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "stop": ("", []),
-    "include_stop_str_in_output": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
+    "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,),
     "prompt_logprobs": (0,), "echo": (False,), "logit_bias": ({},),
     "response_format": ({"type": "text"},),
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),

@@ -30,8 +30,13 @@ class ContinuedText:
         self._detokenizer.update(ids[len(ids) - continued:], False)
         self._detokenizer.get_next_output_text(False, True)  # already sent
 
-    def next(self, token_ids: list[int], finish_reason: str | None) -> str:
+    def next(self, token_ids: list[int], finish_reason: str | None,
+             stop_token: bool) -> tuple[str, str | None]:
         """The text of the answer's next tokens (a stop token's own text excluded, as vLLM
-        does)."""
-        self._detokenizer.update(token_ids, finish_reason == "stop")
-        return self._detokenizer.get_next_output_text(finish_reason is not None, True)
+        does), and the stop string they completed, if any. The tokens already sent are this
+        detokenizer's output too, so it also finds a stop string that begins in them, which the
+        engine (whose output starts after them) cannot; the text is then cut there, as vLLM
+        cuts it."""
+        matched = self._detokenizer.update(token_ids, stop_token)
+        finished = finish_reason is not None or matched is not None
+        return self._detokenizer.get_next_output_text(finished, True), matched

@@ -95,6 +95,7 @@ def sampling_params(s: Sampling, *, max_tokens: int | None = None,
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
         prompt_logprobs=s.prompt_logprobs, repetition_penalty=s.repetition_penalty,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        stop=list(s.stop), include_stop_str_in_output=s.include_stop_str_in_output,
         extra_args=extra,
     )
 

@@ -161,7 +161,17 @@ class VllmEngine:
                     step.kv_failure = kv_coverage_cause(output)
                     step.kv_stats = kv_stats(output)
                 if text_of is not None:
-                    step.text = text_of(step.token_ids, step.finish_reason)
+                    # a stop token, not a stop string (vLLM's stop_reason: an id, or None: EOS)
+                    stop_token = step.finish_reason == "stop" and not isinstance(
+                        completion.stop_reason if completion else None, str)
+                    step.text, matched = text_of(step.token_ids, step.finish_reason, stop_token)
+                    if matched is not None:
+                        # a stop string, perhaps one that began in the tokens already sent,
+                        # which vLLM could not see: the answer ends here (closing vLLM's stream
+                        # below aborts the request if it goes on)
+                        step.finish_reason = "stop"
+                        yield step
+                        return
                 yield step
                 if output.finished:
                     return

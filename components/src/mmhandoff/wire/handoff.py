@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import msgspec
 
 # 2: `first_token`, prefill's sampled token, which the client already has; decode continues
-# after it. 3: sampling's `min_p`, penalties and `min_tokens`. Older versions (1: no first
+# after it. 3: sampling's `min_p`, penalties, `min_tokens` and stop strings. Older versions (1: no first
 # token, decode samples it) stay readable, so a decode tier upgraded first keeps taking an older
 # prefill's handoffs; an older decode refuses a newer handoff by its version.
 VERSION = 3
@@ -144,16 +144,20 @@ class Sampling(_Strict):
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # refused on decode: the prompt is not computed there
     # (v3) repetition: over the prompt and the answer; presence and frequency: over the answer's
-    # tokens only, so a request with either is sampled wholly by decode (frontend)
+    # tokens only
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0  # (v3) stop tokens are masked until the answer has this many
+    stop: list[str] = []  # (v3) stop strings
+    include_stop_str_in_output: bool = False  # (v3)
 
-    def counts_answer_tokens(self) -> bool:
-        """Whether sampling depends on which tokens the answer holds so far (vLLM counts the
-        output only): then one engine must sample every token of the answer."""
-        return bool(self.presence_penalty or self.frequency_penalty)
+    def whole_answer_on_one_engine(self) -> bool:
+        """Whether one engine must sample every token of the answer, so that decode samples the
+        first too: presence and frequency penalties count an engine's own output only, and with
+        stop strings vLLM holds back text that may start one, which prefill's token, streamed
+        at once, cannot be."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.stop)
 
 
 class Handoff(_Strict):
@@ -280,8 +284,10 @@ def check_structure(h: Handoff) -> None:
         raise MalformedHandoff("sampling.min_tokens must be in [0, max_tokens]")
     if h.v < 3 and (h.sampling.min_p or h.sampling.min_tokens
                     or h.sampling.repetition_penalty != 1.0
-                    or h.sampling.counts_answer_tokens()):
-        raise MalformedHandoff("min_p, penalties and min_tokens need handoff version 3")
+                    or h.sampling.whole_answer_on_one_engine()
+                    or h.sampling.include_stop_str_in_output):
+        raise MalformedHandoff("min_p, penalties, min_tokens and stop strings need handoff "
+                               "version 3")
     if h.first_token is not None:
         if h.v < 2:
             raise MalformedHandoff("first_token needs handoff version 2")
