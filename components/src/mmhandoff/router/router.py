@@ -26,7 +26,7 @@ from mmhandoff.router.scorers import Candidates
 from mmhandoff.router.scorers.load import LoadScorer
 from mmhandoff.router.scorers.overlap import OverlapScorer
 from mmhandoff.serving.runtime import RemoteError, call, error_envelope
-from mmhandoff.wire.handoff import HandoffError, decode_handoff
+from mmhandoff.wire.handoff import Handoff, HandoffError, decode_handoff
 from mmhandoff.wire.messages import KvHeld
 
 SCORERS = {s.name: s for s in (OverlapScorer(), LoadScorer())}
@@ -60,11 +60,10 @@ class Router:
         live = sorted(self.decode.instance_ids())
         if self.policy == "round_robin" or len(live) < 2:
             return None, "round_robin"
-        try:
-            h = decode_handoff(msgspec.msgpack.encode(handoff))
-        except HandoffError:  # decode refuses it with the typed error; any replica will do
+        parsed = self._hashed(handoff)
+        if parsed is None:  # decode refuses it with the typed error; any replica will do
             return None, "unparsed"
-        hashes = self.hasher.of_handoff(h)
+        h, hashes = parsed
         c = Candidates(live, self.index.overlap(hashes), len(hashes), dict(self.in_flight))
         # prefill's bypass: a handoff that names no KV to pull can only be answered where its
         # blocks are, so the overlap alone decides (prefill.bypass)
@@ -89,17 +88,22 @@ class Router:
         """The live decode instance holding most of the handoff's leading blocks (for prefill's
         bypass: prefill.bypass), by the same index and hashes as `pick`."""
         live = sorted(self.decode.instance_ids())
-        if self.policy != "kv" or not live:
+        parsed = self._hashed(handoff) if self.policy == "kv" and live else None
+        if parsed is None:
             return KvHeld()
-        try:
-            h = decode_handoff(msgspec.msgpack.encode(handoff))
-        except HandoffError:
-            return KvHeld()
-        hashes = self.hasher.of_handoff(h)
+        hashes = parsed[1]
         overlap = self.index.overlap(hashes)
         best = max(live, key=lambda i: (overlap.get(i, 0), -self.in_flight[i]))
         held = overlap.get(best, 0)
         return KvHeld(instance=best if held else None, blocks_held=held, blocks=len(hashes))
+
+    def _hashed(self, handoff: dict) -> tuple[Handoff, list] | None:
+        """The handoff and its blocks' hashes (the engines'), or None if decode would refuse it."""
+        try:
+            h = decode_handoff(msgspec.msgpack.encode(handoff))
+        except HandoffError:
+            return None
+        return h, self.hasher.of_handoff(h)
 
     async def handle_held(self, handoff: dict) -> AsyncIterator[dict[str, Any]]:
         self.lookups += 1

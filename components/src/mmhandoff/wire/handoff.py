@@ -28,9 +28,9 @@ from typing import Any, Sequence
 import msgspec
 
 # 2: `first_token`, prefill's sampled token, which the client already has; decode continues
-# after it. 3: sampling's `min_p`, penalties, `min_tokens` and stop strings. Older versions (1: no first
-# token, decode samples it) stay readable, so a decode tier upgraded first keeps taking an older
-# prefill's handoffs; an older decode refuses a newer handoff by its version.
+# after it. 3: sampling's `min_p`, penalties, `min_tokens` and stop strings (SAMPLING_V3).
+# Older versions (1: no first token, decode samples it) stay readable, so a decode tier upgraded
+# first keeps taking an older prefill's handoffs; an older decode refuses a newer one by version.
 VERSION = 3
 SUPPORTED_VERSIONS = frozenset({1, 2, VERSION})
 
@@ -160,6 +160,12 @@ class Sampling(_Strict):
         return bool(self.presence_penalty or self.frequency_penalty or self.stop)
 
 
+# Sampling's fields that version 3 added: an older handoff has them at their defaults.
+SAMPLING_V3 = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+               "min_tokens", "stop", "include_stop_str_in_output")
+_DEFAULT_SAMPLING = Sampling()
+
+
 class Handoff(_Strict):
     v: int
     request_id: str
@@ -282,12 +288,9 @@ def check_structure(h: Handoff) -> None:
         raise MalformedHandoff("sampling.max_tokens must be at least 1")
     if not 0 <= h.sampling.min_tokens <= h.sampling.max_tokens:
         raise MalformedHandoff("sampling.min_tokens must be in [0, max_tokens]")
-    if h.v < 3 and (h.sampling.min_p or h.sampling.min_tokens
-                    or h.sampling.repetition_penalty != 1.0
-                    or h.sampling.whole_answer_on_one_engine()
-                    or h.sampling.include_stop_str_in_output):
-        raise MalformedHandoff("min_p, penalties, min_tokens and stop strings need handoff "
-                               "version 3")
+    if h.v < 3 and any(getattr(h.sampling, f) != getattr(_DEFAULT_SAMPLING, f)
+                       for f in SAMPLING_V3):
+        raise MalformedHandoff(f"{', '.join(SAMPLING_V3)} need handoff version 3")
     if h.first_token is not None:
         if h.v < 2:
             raise MalformedHandoff("first_token needs handoff version 2")
