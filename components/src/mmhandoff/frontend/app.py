@@ -84,7 +84,7 @@ class Piece:
 def api_error(e: RemoteError) -> ApiError:
     """A component's typed error as the client sees it: its fault decides 4xx or 5xx."""
     if e.fault == "client":
-        return ApiError(400, e.message, e.code)
+        return ApiError(413 if e.code == "request_too_large" else 400, e.message, e.code)
     return ApiError(503 if e.code in UNAVAILABLE else 500, e.message, e.code, "server_error")
 
 

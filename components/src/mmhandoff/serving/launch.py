@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from mmhandoff.serving.addresses import default_host
+
 
 def parser(role: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m mmhandoff.{role}")
@@ -28,7 +30,7 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="mmhandoff")
     p.add_argument("--cpu-cores", help='CPU machines: cores for the engine, e.g. "0" or "0-1"')
     p.add_argument("--nixl-port", type=int, help="NIXL side-channel port of this engine")
-    p.add_argument("--nixl-host", type=_ip, default=os.environ.get("POD_IP") or "127.0.0.1",
+    p.add_argument("--nixl-host", type=_ip, default=default_host(),
                    help="address of this engine's NIXL side channel (the KV handshake) that the "
                         "other engines reach; default $POD_IP (Kubernetes), else 127.0.0.1")
     p.add_argument("--kv-lease-s", type=int, help="prefill: how long unpulled KV is held")
@@ -146,7 +148,7 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     load = EngineLoad()
     engine = start_engine(spec, load)
     rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,
-                 request_plane=args.request_plane)
+                 request_plane=args.request_plane, nixl_host=args.nixl_host)
     path = f"{args.namespace}.{endpoint}"
     publish_engine_load(rt.endpoint(path), load)
     # the blocks the engine holds, for routers (started before requests can come)

@@ -7,20 +7,19 @@ yield an error envelope instead (`{"error": {"code", "message", "cause"}}`) and 
 turns it back into a typed exception on the client side.
 
 Defaults are for one host: file discovery in $DYN_FILE_KV, TCP request plane, every advertised
-address on loopback (nothing is reachable from, or reaches, another address unless configured).
+address on loopback unless $POD_IP names this host's (mmhandoff.serving.addresses).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from typing import Any, AsyncIterator, Callable, Coroutine
 
 import msgspec
 
 from mmhandoff.wire.messages import ErrorEnvelope, RemoteFault
-
-LOOPBACK_VARS = ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST")
 
 
 class RemoteError(RuntimeError):
@@ -62,11 +61,16 @@ def run(main: Coroutine[Any, Any, int]) -> int:
 
 
 def runtime(loop: asyncio.AbstractEventLoop, *, discovery: str | None = None,
-            request_plane: str | None = None):
+            request_plane: str | None = None, nixl_host: str | None = None):
+    """The component's Dynamo runtime. `nixl_host`: its engine's side-channel address, checked
+    with the others (a loopback address in a multi-host graph is reported on stderr)."""
     from dynamo.runtime import DistributedRuntime
 
-    for var in LOOPBACK_VARS:
-        os.environ.setdefault(var, "127.0.0.1")
+    from mmhandoff.serving.addresses import loopback_warning, set_advertised_defaults
+
+    set_advertised_defaults()
+    if warning := loopback_warning(os.environ, nixl_host):
+        print(f"[mmhandoff] WARNING: {warning}", file=sys.stderr, flush=True)
     return DistributedRuntime(
         loop, discovery or os.environ.get("MMHANDOFF_DISCOVERY", "file"),
         request_plane or os.environ.get("MMHANDOFF_REQUEST_PLANE", "tcp"))
@@ -140,11 +144,20 @@ async def call(c, request: Any, instance_id: int | None = None, *, lost: str = "
     except RemoteError:  # a typed error of the callee's: as it came
         raise
     except Exception as e:  # Dynamo's: routing failed, stream broken, handler failed untyped
+        if TOO_LARGE in str(e):  # refused before sending: over the plane's message limit
+            raise RemoteError(
+                "request_too_large", "the request is larger than the request plane carries "
+                "(NATS: the server's max_payload); send smaller or fewer images",
+                fault="client") from None
         raise RemoteError(lost, f"{type(e).__name__}: {e}") from None
     finally:
         if not done:
             context.stop_generating()
 
+
+# Dynamo's words for a request over the request plane's limit (NATS max_payload, 1 MiB unless
+# the server raises it; an image is carried to prefill in the request).
+TOO_LARGE = "payload is too large"
 
 _background: set[asyncio.Task] = set()
 

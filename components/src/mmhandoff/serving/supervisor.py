@@ -205,19 +205,28 @@ class Supervisor:
         spec = self.config.get("components", {}).get(component.module) or {}
         name = f"{component.module}-{i}"
         own = {k: str(v) for k, v in (spec.get("env") or {}).items()}
-        if component.module == "frontend":
-            health = self.frontend_url() + "/health"
-        else:  # Dynamo's system status server: /health is 200 once the worker is ready.
-            # One port per replica, always serve's choice (a YAML value would collide).
+        if component.module != "frontend":  # Dynamo's system status server: /health is 200
+            # once the worker is ready. One port per replica, always serve's choice (a YAML
+            # value would collide).
             own["DYN_SYSTEM_PORT"] = str(free_system_port())
-            health = f"http://127.0.0.1:{own['DYN_SYSTEM_PORT']}/health"
-        proc = subprocess.Popen(
-            self.command(component), env={**self.env, **own},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
+        command, env, address = self.placed(component, self.command(component),
+                                            {**self.env, **own})
+        health = (self.frontend_url() + "/health" if component.module == "frontend"
+                  else f"http://{address}:{own['DYN_SYSTEM_PORT']}/health")
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
         print(f"[serve] started {name} (pid {proc.pid}, health {health})", flush=True)
         return Replica(name, component.module, proc, health, component, i, time.monotonic())
+
+    def placed(self, component, command: list[str], env: dict[str, str]):
+        """Where a replica runs: (command, environment, the address its health server answers
+        on). Here: this host, loopback. A harness that spreads a graph over hosts overrides it."""
+        return command, env, "127.0.0.1"
+
+    def answers(self, url: str) -> bool:
+        """Whether `url` answers 200 (a replica's health), asked from where serve runs."""
+        return _answers(url)
 
     def tend(self) -> list[tuple[str, int]]:
         """Once ready: restart dead replicas of components that have several (the others carry
@@ -256,7 +265,7 @@ class Supervisor:
     def wait_ready(self, stop_requested, timeout_s: float = 900) -> bool:
         t0, last, waiting = time.monotonic(), 0.0, list(self.replicas)
         while time.monotonic() - t0 < timeout_s and not self.dead() and not stop_requested():
-            waiting = [r for r in waiting if not _answers(r.health_url)]
+            waiting = [r for r in waiting if not self.answers(r.health_url)]
             if not waiting:
                 print(f"[serve] ready: {self.frontend_url()}/v1 "
                       f"({time.monotonic() - t0:.0f} s)", flush=True)
