@@ -416,14 +416,9 @@ async def _alive(request):
     yield msgspec.to_builtins(Alive())
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m mmhandoff.frontend`: serve HTTP once the workers are discoverable."""
+def parser():
+    """The frontend's command line (the deploy manifests' args are checked against it)."""
     import argparse
-    import signal
-
-    from mmhandoff.serving.registration import LOST_AFTER_S, lost_registration
-    from mmhandoff.serving.runtime import client, run, runtime
-    from mmhandoff.serving.runtime import serve as serve_endpoint
 
     p = argparse.ArgumentParser(prog="python -m mmhandoff.frontend")
     p.add_argument("--namespace", default="mmhandoff")
@@ -453,6 +448,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-timeout-s", type=float, default=STALL_S,
                    help="a worker silent this long (no answer, no next token) counts as lost")
     p.add_argument("--wait-s", type=float, default=600, help="how long to wait for the workers")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mmhandoff.frontend`: serve HTTP once the workers are discoverable."""
+    import signal
+
+    from mmhandoff.serving.registration import LOST_AFTER_S, lost_registration
+    from mmhandoff.serving.runtime import client, run, runtime
+    from mmhandoff.serving.runtime import serve as serve_endpoint
+
+    p = parser()
     args = p.parse_args(argv)
     try:
         policy = FetchPolicy(allow_networks=FetchPolicy.networks(args.allow_image_networks),

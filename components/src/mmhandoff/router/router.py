@@ -143,12 +143,9 @@ ENDPOINT = "router.generate"
 HELD = "held"  # the second endpoint, <component>.held: which replica holds a prompt's blocks
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser():
+    """The router's command line (the deploy manifests' args are checked against it)."""
     import argparse
-
-    from mmhandoff.serving.health import start_not_ready
-    from mmhandoff.serving.runtime import client, runtime, serve
-    from mmhandoff.serving.runtime import run as run_loop
 
     p = argparse.ArgumentParser(prog="python -m mmhandoff.router")
     p.add_argument("--namespace", default="mmhandoff")
@@ -164,7 +161,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="the decode engines' KV block size (EngineSpec's default: 32)")
     p.add_argument("--block-hash-seed", type=int, default=0,
                    help="the engines' block-hash seed (EngineSpec.block_hash_seed)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mmhandoff.serving.health import start_not_ready
+    from mmhandoff.serving.runtime import client, runtime, serve
+    from mmhandoff.serving.runtime import run as run_loop
+
+    args = parser().parse_args(argv)
 
     async def run() -> int:
         from mmhandoff.router.follow import Follower
