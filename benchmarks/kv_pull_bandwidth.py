@@ -38,6 +38,7 @@ ARMS = {
     "write": ({}, "WRITE"),
 }
 RESULT = "RESULT "
+PEER_NETNS, INITIATOR_NETNS = "MMHANDOFF_PEER_NETNS", "MMHANDOFF_INITIATOR_NETNS"
 
 
 def _pattern(nbytes: int, device: str):
@@ -68,8 +69,18 @@ def _wait(agent, handle, timeout_s: float = 60.0) -> None:
         raise RuntimeError(f"transfer ended in state {state}")
 
 
+def _in_netns(var: str) -> None:
+    """Across "hosts" (benchmarks/across_hosts.py): this process into the network namespace
+    named by $var, before UCX starts a thread or opens a socket."""
+    if os.environ.get(var):
+        from tests.netns import enter
+
+        enter(os.environ[var])
+
+
 def _peer(conn, device: str, nbytes: int, op: str, blocks: int, block_bytes: int) -> None:
     """The other process: owns the source buffer (READ) or pushes into the initiator's (WRITE)."""
+    _in_netns(PEER_NETNS)
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -114,6 +125,7 @@ def _timed_copy(fn, device: str, repeats: int) -> list[float]:
 
 
 def worker(args) -> None:
+    _in_netns(INITIATOR_NETNS)
     import numpy as np
     import torch
     import torch.multiprocessing as mp

@@ -23,6 +23,10 @@ import subprocess
 from typing import Any, Callable
 
 PREFIX = "mmh-"
+# UCX over TCP with socket buffers and segments sized for KV blocks instead of UCX's defaults:
+# about twice the pull rate between two hosts here (benchmarks/across_hosts.py, docs/benchmarks.md)
+UCX_TCP_TUNED = {"UCX_TCP_SNDBUF": "4m", "UCX_TCP_RCVBUF": "4m", "UCX_TCP_TX_SEG_SIZE": "64k",
+                 "UCX_TCP_RX_SEG_SIZE": "64k"}
 SUBNET = "10.77.0"
 CLONE_NEWNET = 0x40000000
 DEVICE = "eth0"
@@ -69,7 +73,8 @@ def remove_stale() -> list[str]:
     return stale
 
 
-def _enter(ns: str) -> None:
+def enter(ns: str) -> None:
+    """Move the calling thread (and the threads it starts later) into namespace `ns`."""
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
     try:
@@ -123,18 +128,18 @@ class Hosts:
         """What a component on host `name` needs to advertise and move KV from there: its address
         for Dynamo and the NIXL side channel (as POD_IP would be on Kubernetes), and UCX on that
         host's interface over TCP only (no shared memory or CMA between "hosts": on one machine
-        UCX would otherwise use them across namespaces)."""
+        UCX would otherwise use them across namespaces), with UCX_TCP_TUNED."""
         ip = self.ip(name)
         return {"POD_IP": ip, "DYN_TCP_RPC_HOST": ip, "DYN_TCP_RESPONSE_STREAM_HOST": ip,
                 "DYN_EVENT_PLANE_HOST": ip, "DYN_SYSTEM_HOST": ip, "UCX_NET_DEVICES": DEVICE,
-                "UCX_TLS": "tcp"}
+                "UCX_TLS": "tcp", **UCX_TCP_TUNED}
 
     def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` on a thread inside host `name`'s namespace (its sockets are that
         host's)."""
         if name not in self._threads:
             self._threads[name] = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix=f"netns-{name}", initializer=_enter,
+                1, thread_name_prefix=f"netns-{name}", initializer=enter,
                 initargs=(self.ns(name),))
         return self._threads[name].submit(fn, *args, **kwargs).result()
 
