@@ -2,7 +2,9 @@
 namespace of their own (tests/netns.py), KV pulled by NIXL over UCX TCP between them. It answers
 as the agg graph on one host does (temperature 0), for a 640x480 and a 12 MP image, with file
 discovery + TCP requests and with etcd + NATS; UCX's own protocol report says the KV came over
-TCP on the hosts' interface (no shared memory, no CMA)."""
+TCP on the hosts' interface (no shared memory, no CMA). The engines run with NIXL's progress
+thread paced as on one host (EngineSpec.nixl_progress_delay_us): the emulated reads still
+progress."""
 
 from __future__ import annotations
 
