@@ -89,18 +89,20 @@ ANSWER = [chunk("Hel", [5]), chunk("lo", [6], "length")]
 
 
 def ask(loop, prefill, decode, retries=1, stream=False, stall_s=30.0, max_tokens=2, extra=None,
-        **kw):
+        headers=None, seen=None, **kw):
     """(status, body); a stream's body is its list of SSE data fields. `extra`: more request
-    fields."""
+    fields; `headers`: more request headers; `seen`, a dict, gets the response's headers."""
     runner = Frontend(prefill, decode, MODEL, retries=retries, stall_s=stall_s, **kw).runner()
     url = serve_app(loop, runner)
     body = json.dumps({"model": MODEL, "max_tokens": max_tokens, "stream": stream,
                        "messages": [{"role": "user", "content": "Hi"}], **(extra or {})}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
+                if seen is not None:
+                    seen.update(r.headers)
                 if stream:
                     return r.status, [line[6:] for line in r.read().decode().split("\n\n")
                                       if line.startswith("data: ")]
@@ -384,3 +386,29 @@ def test_a_bypassed_handoff_whose_blocks_are_gone_goes_through_prefill(loop):
     assert status == 200 and got["choices"][0]["message"]["content"] == "Hello"
     assert [r["allow_bypass"] for r in prefill.requests] == [True, False]
     assert got["mmhandoff"]["retries"] == 1 and not got["mmhandoff"]["prefill"]["bypassed"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_clients_request_id_names_the_answer_everywhere(loop, stream):
+    """As vLLM's server: the answer's id is chatcmpl-<X-Request-Id>, the header comes back, and
+    prefill and decode get the same id (their logs and engine requests carry it)."""
+    prefill, decode, seen = Scripted([handoff_answer()]), Scripted(ANSWER), {}
+    status, got = ask(loop, prefill, decode, stream=stream, seen=seen,
+                      headers={"X-Request-Id": "trace-42.a:b"})
+    assert status == 200 and seen["X-Request-Id"] == "trace-42.a:b"
+    first = json.loads(got[0]) if stream else got
+    assert first["id"] == "chatcmpl-trace-42.a:b"
+    assert prefill.requests[0]["request_id"] == "chatcmpl-trace-42.a:b"
+    seen.clear()
+    status, got = ask(loop, Scripted([handoff_answer()]), Scripted(ANSWER), stream=stream,
+                      seen=seen)
+    ours = (json.loads(got[0]) if stream else got)["id"]
+    assert ours.startswith("chatcmpl-") and seen["X-Request-Id"] == ours  # none sent: our own
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 129, "has space", "semi;colon", "ünïcode"])
+def test_a_malformed_request_id_is_refused_before_any_work(loop, bad):
+    prefill = Scripted([handoff_answer()])
+    status, got = ask(loop, prefill, Scripted(ANSWER), headers={"X-Request-Id": bad})
+    assert (status, got["error"]["code"]) == (400, "invalid_request_id")
+    assert prefill.requests == []

@@ -41,6 +41,7 @@ from mmhandoff.frontend.request import (
     FrontendLimits,
     RequestReader,
     StreamOptions,
+    client_request_id,
     stream_options,
 )
 from mmhandoff.media.fetch import FetchPolicy
@@ -162,12 +163,18 @@ class Frontend:
     async def _generate(self, request, api: str, read) -> web.StreamResponse:
         self.metrics.requests.labels(api).inc()
         t0 = time.perf_counter()
+        client_id = client_request_id(request.headers.get("X-Request-Id"))
         try:  # msgspec: a 200 KB body with an image parses in a third of json.loads' time
             body = msgspec.json.decode(await request.read())
         except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
             raise ApiError(400, "request body is not valid JSON", "invalid_json") from None
         options = stream_options(body)  # before read() fetches any image
         prefill_request = await read(body)
+        if client_id is not None:  # the answer's id, and every component's log line, carry it
+            prefix = prefill_request.request_id.split("-", 1)[0]
+            prefill_request = msgspec.structs.replace(prefill_request,
+                                                      request_id=f"{prefix}-{client_id}")
+        echo = client_id or prefill_request.request_id
         # decode samples the first token too: the older contract (benchmarks compare them), or
         # settings that need one engine to sample the whole answer (penalties, stop strings)
         if (self.first_token_from == "decode"
@@ -178,25 +185,25 @@ class Frontend:
             async with aclosing(self._answer(prefill_request, t0)) as pieces:
                 if options.stream:
                     return await self._stream(request, api, prefill_request.request_id, pieces,
-                                              options)
+                                              options, echo)
                 text, last = "", Piece("")
                 async for last in pieces:
                     text += last.text
                 return web.json_response(
                     _whole(api, prefill_request.request_id, self.model, text, last),
-                    headers={"X-Request-Id": prefill_request.request_id})
+                    headers={"X-Request-Id": echo})
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.disconnects.inc()  # the client left; aclosing aborted the request
             raise
         finally:
             self.metrics.in_flight.dec()
 
-    async def _stream(self, request, api, request_id, pieces,
-                      options: StreamOptions) -> web.StreamResponse:
+    async def _stream(self, request, api, request_id, pieces, options: StreamOptions,
+                      echo: str) -> web.StreamResponse:
         first = await anext(pieces)  # errors before the first token still get a 4xx/5xx
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache",
-                                               "X-Request-Id": request_id})
+                                               "X-Request-Id": echo})
         await response.prepare(request)
         created = int(time.time())
 

@@ -324,6 +324,22 @@ def stream_options(body: Any) -> StreamOptions:
 MAX_CACHE_SALT_CHARS = 256
 
 
+CLIENT_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
+
+
+def client_request_id(header: str | None) -> str | None:
+    """The client's `X-Request-Id` (as vLLM's server takes it: the answer's id is
+    `chatcmpl-<it>`, and the header comes back), checked: it appears in every component's logs
+    and in the engines' request ids, so at most 128 of [A-Za-z0-9._:-]. None when not sent.
+    Two requests in flight with one id are two requests (vLLM suffixes its internal ids)."""
+    if header is None:
+        return None
+    if not 1 <= len(header) <= 128 or not set(header) <= CLIENT_ID_CHARS:
+        raise ApiError(400, "X-Request-Id must be 1 to 128 characters of letters, digits and "
+                            "._:-", "invalid_request_id")
+    return header
+
+
 def _cache_salt(body: dict) -> str | None:
     """vLLM's `cache_salt`: requests share prefix-cached KV only with requests of the same salt
     (one tenant's prompts cannot be probed by another's timing). It goes into every block hash,
