@@ -23,6 +23,8 @@ from mmhandoff.wire.messages import (
     PrefillAnswer,
     PrefillRequest,
     PrefillStats,
+    TokenLogprob,
+    TopLogprob,
 )
 from tests.conftest import serve_app
 from tests.local_plane import Item
@@ -91,7 +93,8 @@ ANSWER = [chunk("Hel", [5]), chunk("lo", [6], "length")]
 def ask(loop, prefill, decode, retries=1, stream=False, stall_s=30.0, max_tokens=2, extra=None,
         headers=None, seen=None, **kw):
     """(status, body); a stream's body is its list of SSE data fields. `extra`: more request
-    fields; `headers`: more request headers; `seen`, a dict, gets the response's headers."""
+    fields; `headers`: more request headers; `seen`, a dict, gets the response's headers and
+    the frontend's /metrics after it (under "metrics")."""
     runner = Frontend(prefill, decode, MODEL, retries=retries, stall_s=stall_s, **kw).runner()
     url = serve_app(loop, runner)
     body = json.dumps({"model": MODEL, "max_tokens": max_tokens, "stream": stream,
@@ -110,15 +113,21 @@ def ask(loop, prefill, decode, retries=1, stream=False, stall_s=30.0, max_tokens
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
     finally:
+        if seen is not None:
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                seen["metrics"] = r.read().decode()
         loop.run(runner.cleanup())
 
 
 def test_a_whole_answer_with_both_tiers_statistics(loop):
-    prefill, decode = Scripted([handoff_answer()]), Scripted(ANSWER)
-    status, got = ask(loop, prefill, decode)
+    prefill, decode, seen = Scripted([handoff_answer()]), Scripted(ANSWER), {}
+    status, got = ask(loop, prefill, decode, seen=seen)
     assert status == 200
     assert got["choices"][0]["message"]["content"] == "Hello"
     assert got["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    # the usage the clients got, summed on /metrics (what a benchmark client's counts match)
+    assert "mmhandoff_prompt_tokens_total 3.0" in seen["metrics"]
+    assert "mmhandoff_completion_tokens_total 2.0" in seen["metrics"]
     stats = got["mmhandoff"]
     assert (stats["request_bytes"], stats["kv_tokens_pulled"], stats["retries"]) == (300, 3, 0)
     assert stats["prefill"]["prefill_ms"] == 2.0
@@ -412,3 +421,46 @@ def test_a_malformed_request_id_is_refused_before_any_work(loop, bad):
     status, got = ask(loop, prefill, Scripted(ANSWER), headers={"X-Request-Id": bad})
     assert (status, got["error"]["code"]) == (400, "invalid_request_id")
     assert prefill.requests == []
+
+
+def _lp(token_id, token, logprob, *top) -> TokenLogprob:
+    return TokenLogprob(token_id=token_id, token=token, logprob=logprob,
+                        top=[TopLogprob(token_id=i, token=t, logprob=p) for i, t, p in top])
+
+
+def test_logprobs_of_prefills_token_and_decodes_are_one_answers_in_openais_formats(loop):
+    """Prefill's first token brings its logprob, decode's chunks theirs: the client gets them in
+    order, in the chat format (with bytes), streamed per chunk or whole, and in the completions
+    format (parallel lists, text offsets; -inf written as vLLM writes it)."""
+    first = FirstToken(token_id=5, text="Hé", logprob=_lp(5, "Hé", -0.5, (5, "Hé", -0.5),
+                                                          (9, "x", -1.5)))
+    rest = msgspec.to_builtins(DecodeChunk(
+        request_id="r", token_ids=[6], text="llo", finish_reason="length",
+        stats=DecodeStats(request_bytes=300, prepare_ms=0.5, prompt_tokens=3),
+        logprobs=[_lp(6, "llo", float("-inf"), (6, "llo", -0.25), (7, "y", -2.0))]))
+    extra = {"logprobs": True, "top_logprobs": 2}
+    status, got = ask(loop, Scripted([handoff_answer(first=first)]), Scripted([rest]),
+                      extra=extra)
+    assert status == 200
+    content = got["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"], c["bytes"]) for c in content] == [
+        ("Hé", -0.5, list("Hé".encode())), ("llo", -9999.0, list(b"llo"))]
+    assert [[t["token"] for t in c["top_logprobs"]] for c in content] == [["Hé", "x"],
+                                                                         ["llo", "y"]]
+    status, events = ask(loop, Scripted([handoff_answer(first=first)]), Scripted([rest]),
+                         stream=True, extra=extra)
+    streamed = [json.loads(e)["choices"][0]["logprobs"]["content"] for e in events[:-1]]
+    assert [[c["token"] for c in part] for part in streamed] == [["Hé"], ["llo"]]
+    # not asked: null, as OpenAI and vLLM write it
+    status, got = ask(loop, Scripted([handoff_answer(first=FIRST)]), Scripted(ANSWER))
+    assert got["choices"][0]["logprobs"] is None
+
+
+def test_completions_logprobs_are_parallel_lists_with_text_offsets():
+    from mmhandoff.frontend import logprobs as oai
+
+    entries = [_lp(5, "Hé", -0.5, (5, "Hé", -0.5), (9, "x", -1.5)),
+               _lp(6, "llo", -0.25, (6, "llo", -0.25))]
+    assert oai.completion(entries, 3) == {
+        "tokens": ["Hé", "llo"], "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"Hé": -0.5, "x": -1.5}, {"llo": -0.25}], "text_offset": [3, 5]}

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from mmhandoff.frontend.app import Frontend, FrontendLimits
-from mmhandoff.frontend.request import RequestReader
+from mmhandoff.frontend.request import ApiError, RequestReader
 from mmhandoff.media.fetch import FetchPolicy
 from tests.conftest import data_uri, encode, make_image, serve_app
 
@@ -223,7 +223,6 @@ def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
     import io
     import os
 
-    from mmhandoff.frontend.request import ApiError
     from mmhandoff.media.images import HEAD_BYTES
 
     buf = io.BytesIO()
@@ -238,8 +237,7 @@ def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
 
 
 UNAPPLIED_CASES = [("n", 2), ("best_of", 3),
-                   ("logprobs", True), ("top_logprobs", 5),
-                   ("echo", True), ("logit_bias", {"5": 10}),
+                   ("prompt_logprobs", 2), ("echo", True), ("logit_bias", {"5": 10}),
                    ("response_format", {"type": "json_object"}),
                    ("guided_json", {"type": "object"}), ("n", True),
                    ("tools", [{"type": "function", "function": {"name": "f"}}]),
@@ -257,11 +255,41 @@ def test_a_parameter_not_applied_yet_is_refused_not_ignored(server, backends, na
     assert [b.calls for b in backends] == [0, 0]
 
 
+@pytest.mark.parametrize("api, fields, expected", [
+    ("chat", {"logprobs": True, "top_logprobs": 3}, 3),
+    ("chat", {"logprobs": True}, 0),  # the sampled token's own logprob only
+    ("chat", {"logprobs": False, "top_logprobs": 0}, None),
+    ("chat", {}, None),
+    ("chat", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer"),
+    ("chat", {"logprobs": 1}, "logprobs must be a boolean"),
+    ("completions", {"logprobs": 5}, 5),
+    ("completions", {"logprobs": 0}, 0),
+    ("completions", {}, None),
+    ("completions", {"logprobs": True}, "logprobs must be an integer"),
+    ("completions", {"logprobs": 21}, "logprobs must be an integer"),
+])
+def test_logprobs_are_read_as_vllm_reads_them(api, fields, expected):
+    """Chat: `logprobs` (boolean) and `top_logprobs` (how many); completions: `logprobs` (how
+    many). Sampling.logprobs: the top tokens per answer token, 0 for the token's own only."""
+    reader = RequestReader(MODEL)
+    body = ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], **fields}
+            if api == "chat" else {"model": MODEL, "prompt": "x", **fields})
+    read = reader.chat if api == "chat" else reader.completion
+    if isinstance(expected, str):
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(read(body))
+        assert (refused.value.status, refused.value.code) == (400, "invalid_sampling")
+        assert str(refused.value).startswith(expected)
+    else:
+        assert asyncio.run(read(body)).sampling.logprobs == expected
+
+
 def test_the_values_that_ask_for_nothing_pass_the_check():
     """What clients send by default (openai's and vLLM's benchmark clients fill some in)."""
     from mmhandoff.frontend.request import _refuse_unapplied
 
-    _refuse_unapplied({"n": 1, "stop": None, "logprobs": False, "top_logprobs": 0, "echo": False,
+    _refuse_unapplied({"n": 1, "stop": None, "prompt_logprobs": 0, "echo": False,
                        "presence_penalty": 0.0, "frequency_penalty": 0, "top_k": -1,
                        "repetition_penalty": 1.0, "response_format": {"type": "text"},
                        "tools": [], "tool_choice": "none", "logit_bias": {}, "stop_token_ids": [],

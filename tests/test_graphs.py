@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -77,6 +78,61 @@ def _answers(url: str, questions: dict) -> dict:
     return out
 
 
+def _parameters(url: str, messages: list[dict]) -> dict:
+    """The sampling parameters through the official client, each checked against an expectation
+    that does not come from the code under test (the plain greedy answer's own text), and
+    returned for the comparison between graphs: {case: (text, finish_reason, tokens)}."""
+    client = _client(url)
+
+    def ask(stream=False, **kw):
+        kw = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0, **kw}
+        if not stream:
+            r = client.chat.completions.create(**kw)
+            return (r.choices[0].message.content, r.choices[0].finish_reason,
+                    r.usage.completion_tokens)
+        text, finish, usage = "", None, None
+        for c in client.chat.completions.create(stream=True,
+                                                stream_options={"include_usage": True}, **kw):
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finish = c.choices[0].finish_reason or finish
+            usage = c.usage or usage
+        return text, finish, usage.completion_tokens
+
+    eos = {"extra_body": {"ignore_eos": True}}
+    plain = ask(**eos)
+    text = plain[0]
+    assert plain[1:] == ("length", 12) and len(text) >= 6, plain
+    start = next(i for i in range(len(text) // 3, len(text) - 2) if text[i:i + 2].strip())
+    stop = text[start:start + 2]  # from the answer itself: it must end there
+    got = {"plain": plain}
+    for stream in (False, True):
+        got[f"stop, stream={stream}"] = ask(stream=stream, stop=[stop], **eos)
+        assert got[f"stop, stream={stream}"][:2] == (text[:text.index(stop)], "stop")
+    got["stop included"] = ask(stop=stop, extra_body={"ignore_eos": True,
+                                                      "include_stop_str_in_output": True})
+    assert got["stop included"][:2] == (text[:text.index(stop) + len(stop)], "stop")
+    got["max_completion_tokens"] = ask(max_completion_tokens=5, **eos)
+    assert got["max_completion_tokens"][1:] == ("length", 5)
+    assert text.startswith(got["max_completion_tokens"][0])
+    # sampling that leaves only the greedy token: the greedy answer, at temperature 1
+    got["top_k=1"] = ask(temperature=1, seed=3, extra_body={"ignore_eos": True, "top_k": 1})
+    got["min_p=1"] = ask(temperature=1, seed=3, extra_body={"ignore_eos": True, "min_p": 1.0})
+    assert got["top_k=1"] == got["min_p=1"] == plain
+    # penalties: as the agg graph applies them (the comparison between graphs)
+    got["penalties"] = ask(presence_penalty=1.5, frequency_penalty=1.0,
+                           extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    assert got["penalties"][1:] == ("length", 12)
+    seeded = ask(temperature=1, seed=7, **eos)
+    assert ask(temperature=1, seed=7, **eos) == seeded  # a seed makes it reproducible
+    for refused, kw in (("n", {"n": 2}), ("logprobs", {"logprobs": True})):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(**kw)
+        assert e.value.body["code"] == "unsupported_parameter"
+        assert e.value.body["message"].startswith(f"{refused} is not supported"), e.value.body
+    return got
+
+
 LONG = 1500  # tokens: streams still under way when a fault is injected (seconds on CPU)
 
 
@@ -92,9 +148,12 @@ def agg_answers(tmp_path_factory, image_server):
     graph = Graph("graphs.agg:Frontend", "configs/agg.yaml", tmp_path_factory.mktemp("agg"),
                   frontend_args=ALLOW_LOOPBACK_IMAGES)
     with graph.failing_loudly():
-        answers = _answers(graph.url, _questions(image_server))
+        questions = _questions(image_server)
+        answers = _answers(graph.url, questions)
+        answers["parameters"] = _parameters(graph.url, questions["data URI"])
         graph.stop(signal.SIGINT, times=3)  # Ctrl-C, pressed again while it stops
-    assert all(stats["request_bytes"] == 0 for *_, stats in answers.values())
+    assert all(stats["request_bytes"] == 0 for *_, stats in
+               (v for k, v in answers.items() if k != "parameters"))
     return answers
 
 
@@ -163,6 +222,8 @@ def agg_fp32(tmp_path_factory, image_server):
 
 def _check_equal_to_agg(got: dict, agg: dict) -> None:
     for name, (text, prompt_tokens, completion_tokens, stats) in got.items():
+        if name == "parameters":
+            continue
         assert (text, prompt_tokens, completion_tokens) == agg[name][:3], name
         assert completion_tokens == 10
         assert 0 < stats["request_bytes"] < 4096  # the handoff, never the media
@@ -189,13 +250,45 @@ def _stop_mid_answer(graph: Graph, messages: list[dict], max_tokens: int = 400) 
     assert any("[serve] stopped" in line for line in graph.log)
 
 
-def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers):
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
+
+
+def _vllm_bench(url: str, tmp: Path, tokenizer: str, n: int = 6, out: int = 8) -> None:
+    """vLLM's own benchmark client (`vllm bench serve`, openai-chat, its random-mm dataset: a
+    random image per request) against the graph. With ignore_eos every answer is `out` tokens:
+    the client's count, the answers' usage summed by the frontend, and n x out must agree."""
+    before = _metric(url, "mmhandoff_completion_tokens_total")
+    cmd = [str(Path(sys.executable).with_name("vllm")), "bench", "serve",
+           "--backend", "openai-chat", "--base-url", url, "--endpoint", "/v1/chat/completions",
+           "--model", MODEL, "--tokenizer", tokenizer, "--dataset-name", "random-mm",
+           "--num-prompts", str(n), "--random-input-len", "16", "--random-output-len", str(out),
+           "--random-range-ratio", "0", "--random-mm-base-items-per-request", "1",
+           "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+           "--random-mm-bucket-config", "{(96, 128, 1): 1.0}", "--ignore-eos",
+           "--max-concurrency", "2", "--seed", "0", "--disable-tqdm", "--save-result",
+           "--result-dir", str(tmp), "--result-filename", "bench.json"]
+    out_ = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out_.returncode == 0, out_.stdout[-3000:] + out_.stderr[-3000:]
+    result = json.loads((tmp / "bench.json").read_text())
+    assert (result["completed"], result["failed"]) == (n, 0), result
+    served = _metric(url, "mmhandoff_completion_tokens_total") - before
+    assert result["total_output_tokens"] == served == n * out, (result, served)
+
+
+def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers, tiny_model):
     graph = Graph("graphs.disagg:Frontend", "configs/disagg.yaml", tmp_path,
                   frontend_args=ALLOW_LOOPBACK_IMAGES)
     with graph.failing_loudly():
         questions = _questions(image_server)
         answers = _answers(graph.url, questions)
         _check_equal_to_agg(answers, agg_answers)
+        # every applied parameter as the agg graph applies it (and as its expectation says)
+        assert _parameters(graph.url, questions["data URI"]) == agg_answers["parameters"]
+        _vllm_bench(graph.url, tmp_path, tiny_model)
         # the first token is prefill's: the frontend had delivered it before decode admitted
         # the handoff (the components' own clocks, one host)
         for *_, stats in answers.values():

@@ -389,3 +389,40 @@ def test_a_stop_string_that_began_in_the_tokens_already_sent_ends_a_continued_an
         request_id="cstop-agg", messages=messages, sampling=s))))
     assert (agg_finish, len(agg_ids)) == ("stop", k + 1)
     assert ([t for t, _ in plain[:k]] + ids, finish) == (agg_ids, "stop")
+
+
+async def _logprobs(chunks) -> list:
+    out = []
+    async for chunk in chunks:
+        out += chunk.logprobs or []
+    return out
+
+
+def test_logprobs_of_a_split_answer_are_the_agg_answers(loop, workers, engines):
+    """Prefill's first token and decode's pulled-KV continuation give each token the logprob and
+    top tokens the agg engine gives it. Independently of the agg run: a greedy token is its
+    position's likeliest (rank 1, the same logprob), the top tokens come likeliest first, and
+    their probabilities sum to at most 1."""
+    import math
+
+    prefill, decode, _ = workers
+    messages = chat("Say more.", data_uri(encode(make_image(96, 64, 41))))
+    s = greedy(8, ignore_eos=True, logprobs=3)
+    agg = loop.run(_logprobs(AggWorker(engines.full).generate(PrefillRequest(
+        request_id="lp-agg", messages=messages, sampling=s))))
+    answer = loop.run(prefill.prefill(PrefillRequest(request_id="lp", messages=messages,
+                                                     sampling=s)))
+    split = [answer.first.logprob, *loop.run(_logprobs(decode.generate(answer.handoff)))]
+    assert len(split) == len(agg) == 8
+    for got, want in zip(split, agg):
+        assert (got.token_id, got.token) == (want.token_id, want.token)
+        assert [t.token_id for t in got.top] == [t.token_id for t in want.top]
+        assert abs(got.logprob - want.logprob) < 1e-4
+        assert got.top[0].token_id == got.token_id and got.top[0].logprob == got.logprob
+        assert len(got.top) == 3
+        assert [t.logprob for t in got.top] == sorted((t.logprob for t in got.top),
+                                                      reverse=True)
+        assert sum(math.exp(t.logprob) for t in got.top) <= 1 + 1e-6
+    plain = loop.run(_logprobs(AggWorker(engines.full).generate(PrefillRequest(
+        request_id="lp-none", messages=messages, sampling=greedy(4, ignore_eos=True)))))
+    assert plain == []  # none asked, none computed or sent

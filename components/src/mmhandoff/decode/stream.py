@@ -60,7 +60,8 @@ async def stream_answer(engine: Engine, request: Any, request_id: str, engine_re
                     kv_tokens_pulled=kv.get("external", -1),
                     kv_positions_covered=kv.get("covered", -1))
             yield DecodeChunk(request_id=request_id, token_ids=step.token_ids, text=step.text,
-                              finish_reason=step.finish_reason, stats=stats)
+                              finish_reason=step.finish_reason, stats=stats,
+                              logprobs=step.logprobs)
             if step.finished:
                 return
     finally:

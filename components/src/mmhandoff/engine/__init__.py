@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 
 from mmhandoff.media.images import LoadedImage
 from mmhandoff.wire.handoff import Features, Handoff, Sampling
+from mmhandoff.wire.messages import TokenLogprob
 
 
 # In a prefill request's kv_transfer_params (with "do_remote_decode"): if its token stops the
@@ -67,6 +68,7 @@ class Step:
     text: str  # new text since the previous step
     finish_reason: str | None = None  # set on the last step only
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the sampling asks
     # last step only:
     kv_transfer_params: dict[str, Any] | None = None  # prefill: the blocks decode will pull
     kv_failure: str | None = None  # a KV-only request whose KV did not cover the images: why

@@ -44,6 +44,7 @@ from mmhandoff.frontend.request import (
     client_request_id,
     stream_options,
 )
+from mmhandoff.frontend import logprobs as oai_logprobs
 from mmhandoff.media.fetch import FetchPolicy
 from mmhandoff.serving.runtime import RemoteError, background, call, call_one
 from mmhandoff.wire.messages import (
@@ -53,6 +54,7 @@ from mmhandoff.wire.messages import (
     DecodeStats,
     PrefillAnswer,
     PrefillStats,
+    TokenLogprob,
 )
 
 __all__ = ["Frontend", "FrontendLimits", "ApiError"]
@@ -80,6 +82,7 @@ class Piece:
     finish: str | None = None
     usage: dict | None = None
     stats: AnswerStats | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
 
 def api_error(e: RemoteError) -> ApiError:
@@ -186,11 +189,15 @@ class Frontend:
                 if options.stream:
                     return await self._stream(request, api, prefill_request.request_id, pieces,
                                               options, echo)
-                text, last = "", Piece("")
+                text, last, entries = "", Piece(""), []
                 async for last in pieces:
                     text += last.text
+                    entries += last.logprobs or []
+                logprobs = (None if prefill_request.sampling.logprobs is None else
+                            oai_logprobs.chat(entries) if api == "chat" else
+                            oai_logprobs.completion(entries, 0))
                 return web.json_response(
-                    _whole(api, prefill_request.request_id, self.model, text, last),
+                    _whole(api, prefill_request.request_id, self.model, text, last, logprobs),
                     headers={"X-Request-Id": echo})
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.disconnects.inc()  # the client left; aclosing aborted the request
@@ -213,8 +220,10 @@ class Frontend:
         try:
             last = first
             await send(_chunk(api, request_id, self.model, created, first, options))
+            offset = len(first.text)
             async for last in pieces:
-                await send(_chunk(api, request_id, self.model, created, last, options))
+                await send(_chunk(api, request_id, self.model, created, last, options, offset))
+                offset += len(last.text)
             if options.include_usage:  # OpenAI's last chunk: no choice, the whole usage
                 final = _chunk(api, request_id, self.model, created, last, options)
                 final.pop("mmhandoff", None)  # sent with the finish reason
@@ -253,7 +262,7 @@ class Frontend:
                             self.metrics.itl.observe(now - last_t)
                         last_t = now
                         generated += chunk.token_ids
-                        piece = Piece(chunk.text, chunk.finish_reason)
+                        piece = Piece(chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)
                         # the client's prompt: prefill's, less a migration's tokens
                         prompt = (prefill_stats.prompt_tokens if prefill_stats is not None
                                   else chunk.stats.prompt_tokens if chunk.stats is not None
@@ -264,6 +273,9 @@ class Frontend:
                         if piece.finish:
                             stats = chunk.stats or DecodeStats(request_bytes=-1, prepare_ms=-1)
                             self.metrics.record_decode(stats)
+                            if piece.usage is not None:
+                                self.metrics.prompt_tokens.inc(piece.usage["prompt_tokens"])
+                            self.metrics.completion_tokens.inc(len(generated))
                             piece.stats = AnswerStats(
                                 **msgspec.structs.asdict(stats), prefill=prefill_stats,
                                 retries=retries, migrations=migrations,
@@ -317,7 +329,9 @@ class Frontend:
                 if first is not None:
                     yield (DecodeChunk(request_id=prefill_request.request_id,
                                        token_ids=[first.token_id], text=first.text,
-                                       finish_reason=first.finish_reason),
+                                       finish_reason=first.finish_reason,
+                                       logprobs=None if first.logprob is None
+                                       else [first.logprob]),
                            prefill_stats, False)
                     if first.finish_reason is not None:  # the answer ended at prefill
                         return
@@ -391,10 +405,11 @@ def _usage(prompt: int, completion: int) -> dict:
             "total_tokens": prompt + completion}
 
 
-def _whole(api: str, request_id: str, model: str, text: str, last: Piece) -> dict:
-    choice = ({"index": 0, "finish_reason": last.finish,
+def _whole(api: str, request_id: str, model: str, text: str, last: Piece,
+           logprobs: dict | None) -> dict:
+    choice = ({"index": 0, "finish_reason": last.finish, "logprobs": logprobs,
                "message": {"role": "assistant", "content": text}} if api == "chat" else
-              {"index": 0, "finish_reason": last.finish, "text": text, "logprobs": None})
+              {"index": 0, "finish_reason": last.finish, "text": text, "logprobs": logprobs})
     return {"id": request_id, "object": "chat.completion" if api == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice],
             "usage": last.usage,
@@ -402,12 +417,17 @@ def _whole(api: str, request_id: str, model: str, text: str, last: Piece) -> dic
 
 
 def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece,
-           options: StreamOptions) -> dict:
+           options: StreamOptions, offset: int = 0) -> dict:
+    """`offset`: where the piece's text starts in the answer (completions' logprobs)."""
+    entries = piece.logprobs
     if api == "chat":
         choice = {"index": 0, "delta": {"content": piece.text} if piece.text else {},
+                  "logprobs": None if entries is None else oai_logprobs.chat(entries),
                   "finish_reason": piece.finish}
     else:
-        choice = {"index": 0, "text": piece.text, "finish_reason": piece.finish, "logprobs": None}
+        choice = {"index": 0, "text": piece.text, "finish_reason": piece.finish,
+                  "logprobs": None if entries is None else oai_logprobs.completion(entries,
+                                                                                   offset)}
     chunk = {"id": request_id, "object": "chat.completion.chunk" if api == "chat" else
              "text_completion", "created": created, "model": model, "choices": [choice]}
     if options.include_usage:

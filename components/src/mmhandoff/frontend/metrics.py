@@ -24,6 +24,11 @@ class FrontendMetrics:
                                 ["api"], registry=r)
         self.errors = Counter("mmhandoff_request_errors", "Requests answered with an error, "
                               "by error code", ["code"], registry=r)
+        # the answers' usage, as the client got it (vLLM: prompt_tokens / generation_tokens)
+        self.prompt_tokens = Counter("mmhandoff_prompt_tokens", "Prompt tokens of the answers "
+                                     "sent (their usage)", registry=r)
+        self.completion_tokens = Counter("mmhandoff_completion_tokens", "Tokens of the answers "
+                                         "sent (their usage)", registry=r)
         self.in_flight = Gauge("mmhandoff_requests_in_flight", "Requests being answered",
                                registry=r)
         self.ttft = Histogram("mmhandoff_time_to_first_token_seconds", "Frontend receipt to "

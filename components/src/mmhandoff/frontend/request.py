@@ -76,7 +76,7 @@ class RequestReader:
     # ---- the two request kinds ----------------------------------------------------------------
     async def chat(self, body: Any) -> PrefillRequest:
         self._check_model(body)
-        sampling, salt = self._sampling(body), _cache_salt(body)  # before any image is fetched
+        sampling, salt = self._sampling(body, chat=True), _cache_salt(body)  # before any fetch
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list", "invalid_messages")
@@ -105,7 +105,8 @@ class RequestReader:
             raise ApiError(400, f"prompt is over {self.limits.max_prompt_chars} characters",
                            "prompt_too_long")
         return PrefillRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt=prompt,
-                              sampling=self._sampling(body), cache_salt=_cache_salt(body))
+                              sampling=self._sampling(body, chat=False),
+                              cache_salt=_cache_salt(body))
 
     # ---- pieces -------------------------------------------------------------------------------
     def _check_model(self, body: Any) -> None:
@@ -171,7 +172,7 @@ class RequestReader:
         mime = Image.MIME.get(fmt or "", "application/octet-stream")
         return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
-    def _sampling(self, body: dict) -> Sampling:
+    def _sampling(self, body: dict, chat: bool) -> Sampling:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = 16 if max_tokens is None else max_tokens
         if type(max_tokens) is not int or not 1 <= max_tokens <= self.limits.max_tokens:
@@ -195,11 +196,34 @@ class RequestReader:
                                 "token ids (integers >= 0)", "invalid_sampling")
         return Sampling(max_tokens=max_tokens, temperature=float(temperature),
                         top_p=float(top_p), seed=seed, ignore_eos=ignore_eos,
-                        stop_token_ids=stop_ids, **_sampling_extras(body, max_tokens))
+                        stop_token_ids=stop_ids, logprobs=_logprobs(body, chat),
+                        **_sampling_extras(body, max_tokens))
 
 
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Sampling.logprobs: how many top tokens each answer token comes with (0: its own logprob
+    only), None: none asked. Chat: `logprobs: true` and `top_logprobs: k`; completions:
+    `logprobs: k`."""
+    if chat:
+        asked, top = body.get("logprobs"), body.get("top_logprobs")
+        if asked is not None and type(asked) is not bool:
+            raise ApiError(400, "logprobs must be a boolean", "invalid_sampling")
+        if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
+            raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+                           "invalid_sampling")
+        if top and not asked:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "invalid_sampling")
+        return (top or 0) if asked else None
+    asked = body.get("logprobs")
+    if asked is not None and (type(asked) is not int or not 0 <= asked <= MAX_LOGPROBS):
+        raise ApiError(400, f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+                       "invalid_sampling")
+    return asked
 
 
 def _sampling_extras(body: dict, max_tokens: int) -> dict[str, Any]:
@@ -257,8 +281,7 @@ def _sampling_extras(body: dict, max_tokens: int) -> dict[str, Any]:
 # applied, one choice for n=2, no JSON for a schema) looks right and is wrong. tools: vLLM itself
 # refuses them unless a tool parser is configured.
 UNAPPLIED: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,),
-    "prompt_logprobs": (0,), "echo": (False,), "logit_bias": ({},),
+    "n": (1,), "best_of": (1,), "prompt_logprobs": (0,), "echo": (False,), "logit_bias": ({},),
     "response_format": ({"type": "text"},),
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "tools": ([],), "tool_choice": ("none",), "functions": ([],),

@@ -87,7 +87,7 @@ class PrefillWorker:
             if attempt == 2:
                 rendered = await self._render(request, images)
             t1 = time.perf_counter()
-            final, token_ids, text = await self._sample(request, rendered, kv_params)
+            final, token_ids, text, logprobs = await self._sample(request, rendered, kv_params)
             # An error with no token is the engine's retryable answer when its cache of
             # processed images drifted from the renderer's (vLLM: a render never submitted,
             # e.g. a prompt refused as too long, leaves the image marked as sent); rendering
@@ -105,7 +105,8 @@ class PrefillWorker:
             prompt_tokens=len(rendered.token_ids), prepare_ms=(t1 - t0) * 1e3,
             prefill_ms=(time.perf_counter() - t1) * 1e3)
         first = (FirstToken(token_id=token_ids[0], text=text,
-                            finish_reason=final.finish_reason if ended else None)
+                            finish_reason=final.finish_reason if ended else None,
+                            logprob=logprobs[0] if logprobs else None)
                  if first_token else None)
         if ended:
             return PrefillAnswer(first=first, stats=stats)
@@ -164,20 +165,22 @@ class PrefillWorker:
         return rendered
 
     async def _sample(self, request: PrefillRequest, rendered: Rendered, kv_params
-                      ) -> tuple[Step | None, list[int], str]:
-        """Prefill and its one sampled token: (last step, token ids, text)."""
+                      ) -> tuple[Step | None, list[int], str, list]:
+        """Prefill and its one sampled token: (last step, token ids, text, their logprobs when
+        asked)."""
         engine_request = self.engine.request(rendered, request.sampling, max_tokens=1,
                                              kv_transfer_params=kv_params,
                                              cache_salt=request.cache_salt,
                                              continued=len(request.continuation))
-        final, token_ids, text = None, [], ""
+        final, token_ids, text, logprobs = None, [], "", []
         engine_request_id = f"{request.request_id}:prefill:{uuid.uuid4().hex[:8]}"
         async with aclosing(self.engine.generate(engine_request, engine_request_id)) as steps:
             async for step in steps:
                 final = step
                 token_ids += step.token_ids
                 text += step.text
-        return final, token_ids, text
+                logprobs += step.logprobs or []
+        return final, token_ids, text, logprobs
 
     async def handle(self, request: dict) -> AsyncIterator[dict]:
         """Dynamo endpoint handler: a PrefillRequest in its builtin form in, one PrefillAnswer

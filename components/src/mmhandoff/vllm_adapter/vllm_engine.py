@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from mmhandoff.engine import Capabilities, EngineInputError, Rendered, Step
 from mmhandoff.media.images import LoadedImage
+from mmhandoff.vllm_adapter.logprobs import token_logprobs
 from mmhandoff.vllm_adapter.inputs import (
     forget_sent,
     kv_coverage_cause,
@@ -153,6 +154,10 @@ class VllmEngine:
                 text = completion.text if completion else ""
                 step = Step(ids[sent_ids:], text[sent_text:],
                             prompt_tokens=len(output.prompt_token_ids or ()))
+                if params.logprobs is not None and completion is not None:
+                    step.logprobs = token_logprobs(
+                        completion.logprobs[sent_ids:len(ids)], step.token_ids,
+                        params.logprobs, lambda tid: self._tokenizer.decode([tid]))
                 sent_ids, sent_text = len(ids), len(text)
                 if output.finished:
                     reason = completion.finish_reason if completion else None

@@ -87,13 +87,31 @@ class FullMediaRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     sampling: Sampling
 
 
+class TopLogprob(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    token_id: int
+    token: str  # the token's text, as vLLM's detokenizer gives it
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A sampled token's log probability and, when asked (`Sampling.logprobs` = k > 0), the k
+    most likely tokens at its position, most likely first (vLLM's ranks)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = []
+
+
 class FirstToken(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The answer's first token, sampled by prefill. `finish_reason` set: the answer ends with it
-    (a stop token, or `max_tokens` 1) and nothing goes to decode."""
+    (a stop token, or `max_tokens` 1) and nothing goes to decode. `logprob`: when the request
+    asked for log probabilities."""
 
     token_id: int
     text: str
     finish_reason: str | None = None
+    logprob: TokenLogprob | None = None
 
 
 class PrefillAnswer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -134,13 +152,15 @@ class DecodeStats(msgspec.Struct, kw_only=True):
 
 
 class DecodeChunk(msgspec.Struct, kw_only=True):
-    """One streamed piece of a decode answer; the last one has `finish_reason` and `stats`."""
+    """One streamed piece of a decode answer; the last one has `finish_reason` and `stats`.
+    `logprobs`: one per token id, when the request asked for log probabilities."""
 
     request_id: str
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     stats: DecodeStats | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class AnswerStats(DecodeStats, kw_only=True):

@@ -1,0 +1,38 @@
+"""Log probabilities in OpenAI's two answer formats, as vLLM's server writes them: chat's
+`{"content": [{token, logprob, bytes, top_logprobs}]}`, and completions' parallel lists
+(`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob} including the sampled token,
+`text_offset`). A logprob of -inf (a token that top_k, top_p or min_p ruled out) is written as
+-9999.0, as vLLM does: JSON has no infinity."""
+
+from __future__ import annotations
+
+from mmhandoff.wire.messages import TokenLogprob
+
+FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, FLOOR)
+
+
+def chat(entries: list[TokenLogprob]) -> dict:
+    def one(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode())}
+
+    return {"content": [{**one(e.token, e.logprob),
+                         "top_logprobs": [one(t.token, t.logprob) for t in e.top]}
+                        for e in entries]}
+
+
+def completion(entries: list[TokenLogprob], offset: int) -> dict:
+    """`offset`: where the first entry's token starts in the answer's text."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
+    for e in entries:
+        out["tokens"].append(e.token)
+        out["token_logprobs"].append(_lp(e.logprob))
+        out["top_logprobs"].append({**{t.token: _lp(t.logprob) for t in e.top},
+                                    e.token: _lp(e.logprob)})
+        out["text_offset"].append(offset)
+        offset += len(e.token)
+    return out
