@@ -125,7 +125,19 @@ def _parameters(url: str, messages: list[dict]) -> dict:
     assert got["penalties"][1:] == ("length", 12)
     seeded = ask(temperature=1, seed=7, **eos)
     assert ask(temperature=1, seed=7, **eos) == seeded  # a seed makes it reproducible
-    for refused, kw in (("n", {"n": 2}), ("logprobs", {"logprobs": True})):
+    # logprobs: one per token of the answer, each greedy token its position's likeliest (the
+    # tiny model's tokens are mostly single bytes of UTF-8: their strings do not spell the text)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6 and text.startswith(
+        r.choices[0].message.content)
+    assert all(c.top_logprobs[0].token == c.token and len(c.top_logprobs) == 2
+               and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    got["logprobs"] = ([c.token for c in content], r.usage.completion_tokens)
+    for refused, kw in (("n", {"n": 2}),
+                        ("response_format", {"response_format": {"type": "json_object"}})):
         with pytest.raises(openai.BadRequestError) as e:
             ask(**kw)
         assert e.value.body["code"] == "unsupported_parameter"
