@@ -103,7 +103,9 @@ def _parameters(url: str, messages: list[dict]) -> dict:
     plain = ask(**eos)
     text = plain[0]
     assert plain[1:] == ("length", 12) and len(text) >= 6, plain
-    start = next(i for i in range(len(text) // 3, len(text) - 2) if text[i:i + 2].strip())
+    start = next(i for i in range(len(text) // 3, len(text) - 2)
+                 if all(c.isprintable() and not c.isspace() and c != "\ufffd"
+                        for c in text[i:i + 2]))
     stop = text[start:start + 2]  # from the answer itself: it must end there
     got = {"plain": plain}
     for stream in (False, True):
