@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 import zlib
 
+import msgspec
 import pytest
 from PIL import Image
 
@@ -238,7 +239,6 @@ def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
 
 UNAPPLIED_CASES = [("n", 2), ("best_of", 3),
                    ("prompt_logprobs", 2), ("echo", True), ("logit_bias", {"5": 10}),
-                   ("response_format", {"type": "json_object"}),
                    ("guided_json", {"type": "object"}), ("n", True),
                    ("tools", [{"type": "function", "function": {"name": "f"}}]),
                    ("tool_choice", "auto")]
@@ -283,6 +283,43 @@ def test_logprobs_are_read_as_vllm_reads_them(api, fields, expected):
         assert str(refused.value).startswith(expected)
     else:
         assert asyncio.run(read(body)).sampling.logprobs == expected
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}},
+     {"json": SCHEMA}),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+    ({"structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": True}},
+     {"regex": "[a-z]+", "disable_any_whitespace": True}),
+    ({"structured_outputs": {"json": SCHEMA}}, {"json": SCHEMA}),
+    ({"response_format": {"type": "xml"}}, "invalid_response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
+     "invalid_response_format"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "invalid_response_format"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "invalid_response_format"),
+    ({"structured_outputs": {"choice": []}}, "invalid_response_format"),
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "unsupported_parameter"),
+])
+def test_structured_outputs_are_read_as_vllm_reads_them(fields, expected):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **fields}
+    if isinstance(expected, str):
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(RequestReader(MODEL).chat(body))
+        assert (refused.value.status, refused.value.code) == (400, expected)
+        return
+    structured = asyncio.run(RequestReader(MODEL).chat(body)).sampling.structured
+    if expected is None:
+        assert structured is None
+    else:
+        got = {k: v for k, v in msgspec.to_builtins(structured).items()
+               if v not in (None, False)}
+        assert got == expected
 
 
 def test_the_values_that_ask_for_nothing_pass_the_check():

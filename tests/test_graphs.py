@@ -19,6 +19,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 import yaml
@@ -139,8 +140,15 @@ def _parameters(url: str, messages: list[dict]) -> dict:
     assert all(c.top_logprobs[0].token == c.token and len(c.top_logprobs) == 2
                and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
     got["logprobs"] = ([c.token for c in content], r.usage.completion_tokens)
-    for refused, kw in (("n", {"n": 2}),
-                        ("response_format", {"response_format": {"type": "json_object"}})):
+    # structured outputs (vLLM's extension; OpenAI's response_format takes the same path): the
+    # answer validates against its schema (jsonschema)
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "round": {"type": "boolean"}},
+              "required": ["colour", "round"], "additionalProperties": False}
+    got["structured"] = ask(max_tokens=64, extra_body={"structured_outputs": {
+        "json": schema, "disable_any_whitespace": True}})
+    jsonschema.validate(json.loads(got["structured"][0]), schema)
+    for refused, kw in (("n", {"n": 2}), ("best_of", {"extra_body": {"best_of": 2}})):
         with pytest.raises(openai.BadRequestError) as e:
             ask(**kw)
         assert e.value.body["code"] == "unsupported_parameter"

@@ -426,3 +426,36 @@ def test_logprobs_of_a_split_answer_are_the_agg_answers(loop, workers, engines):
     plain = loop.run(_logprobs(AggWorker(engines.full).generate(PrefillRequest(
         request_id="lp-none", messages=messages, sampling=greedy(4, ignore_eos=True)))))
     assert plain == []  # none asked, none computed or sent
+
+
+def test_a_structured_answer_is_sampled_by_decode_and_follows_its_schema(loop, workers, engines):
+    """A JSON schema (structured outputs): prefill samples no first token (the grammar advances
+    over an engine's own output), decode samples the whole answer on the pulled KV. It equals
+    the agg engine's answer, and the text parses and validates against the schema (jsonschema,
+    not the code under test); a choice constraint answers one of its strings."""
+    import json
+
+    import jsonschema
+
+    from mmhandoff.wire.handoff import Structured
+
+    prefill, decode, _ = workers
+    messages = chat("Describe it as JSON.", data_uri(encode(make_image(96, 64, 42))))
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "round": {"type": "boolean"}},
+              "required": ["colour", "round"], "additionalProperties": False}
+    for name, structured, check in (
+            ("schema", Structured(json=schema, disable_any_whitespace=True),
+             lambda text: jsonschema.validate(json.loads(text), schema)),
+            ("choice", Structured(choice=["yes", "no", "maybe"]),
+             lambda text: text in ("yes", "no", "maybe"))):
+        s = greedy(64, structured=structured)
+        request = PrefillRequest(request_id=f"so-{name}", messages=messages, sampling=s)
+        agg = loop.run(streamed(AggWorker(engines.full).generate(request)))
+        answer = loop.run(prefill.prefill(msgspec.structs.replace(
+            request, request_id=f"so-{name}-split", first_token=False)))
+        assert answer.first is None and answer.handoff.first_token is None
+        split = loop.run(streamed(decode.generate(answer.handoff)))
+        assert split == agg, name
+        text = "".join(t for _, t in split)
+        assert check(text) is not False, (name, text)

@@ -140,7 +140,7 @@ def _wire(d: dict) -> bytes:
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(offset=6), SpanReachesFinalToken),
     (lambda d: d["features"]["mm_hashes"].update(image=["a", "b"]), FeatureMismatch),
     (lambda d: d["features"]["mm_hashes"].update(video=["a"]), FeatureMismatch),
-    (lambda d: d.update(v=4), UnsupportedVersion),
+    (lambda d: d.update(v=VERSION + 1), UnsupportedVersion),
     (lambda d: d.update(v=0), UnsupportedVersion),
     (lambda d: d.update(v="1"), UnsupportedVersion),
     (lambda d: d.pop("v"), UnsupportedVersion),
@@ -158,6 +158,15 @@ def _wire(d: dict) -> bytes:
                    ("include_stop_str_in_output", True))],
     (lambda d: d.update(sampling={"max_tokens": 4, "min_tokens": 5}), MalformedHandoff),
     (lambda d: d.update(first_token=5, sampling={"max_tokens": 1}), MalformedHandoff),
+    # structured outputs (v4): decode samples the whole structured answer
+    (lambda d: d.update(v=3, sampling={"structured": {"regex": "a+"}}), MalformedHandoff),
+    (lambda d: d.update(first_token=5, sampling={"structured": {"regex": "a+"}}),
+     MalformedHandoff),
+    (lambda d: d.update(continued=2, sampling={"structured": {"regex": "a+"}}),
+     MalformedHandoff),
+    (lambda d: d.update(sampling={"structured": {"regex": "a+", "choice": ["x"]}}),
+     MalformedHandoff),  # two constraints
+    (lambda d: d.update(sampling={"structured": {}}), MalformedHandoff),  # none
 ])
 def test_each_structural_rule_has_its_error(mutate, error):
     d = _raw(_good())
@@ -248,3 +257,15 @@ def test_a_handoff_is_single_use_and_the_guard_forgets_expired_nonces():
 def test_repr_hides_token_ids():
     text = repr(_good(token_ids=list(range(1000, 1010))))
     assert "1005" not in text and "tokens=10" in text
+
+
+def test_a_structured_answer_travels_whole():
+    structured = {"json": {"type": "object", "properties": {"a": {"enum": ["x"]}}},
+                  "disable_any_whitespace": True}
+    d = _raw(_good(sampling=Sampling(max_tokens=8)))
+    d["sampling"]["structured"] = structured
+    got = decode_handoff(_wire(d))
+    assert msgspec.to_builtins(got.sampling.structured) == {
+        "json": structured["json"], "json_object": False, "regex": None, "choice": None,
+        "disable_any_whitespace": True}
+    assert got.sampling.whole_answer_on_one_engine()

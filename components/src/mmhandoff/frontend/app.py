@@ -291,6 +291,8 @@ class Frontend:
                 if not decoded and retries < self.retries:
                     retries += 1
                     self.metrics.retries.inc()
+                elif decoded and prefill_request.sampling.structured is not None:
+                    raise api_error(e) from None  # its grammar cannot go on from sent tokens
                 elif decoded and migrations < self.migration_limit:
                     migrations += 1
                     self.metrics.migrations.inc()

@@ -27,7 +27,7 @@ from mmhandoff.media.images import (
     data_uri_bytes,
     peek_data_uri,
 )
-from mmhandoff.wire.handoff import Sampling
+from mmhandoff.wire.handoff import Sampling, Structured
 from mmhandoff.wire.messages import ChatMessage, ImagePart, ImageURL, PrefillRequest, TextPart
 
 
@@ -197,12 +197,68 @@ class RequestReader:
         return Sampling(max_tokens=max_tokens, temperature=float(temperature),
                         top_p=float(top_p), seed=seed, ignore_eos=ignore_eos,
                         stop_token_ids=stop_ids, logprobs=_logprobs(body, chat),
-                        **_sampling_extras(body, max_tokens))
+                        structured=_structured(body), **_sampling_extras(body, max_tokens))
 
 
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")
+
+
+def _structured_error(message: str) -> ApiError:
+    return ApiError(400, message, "invalid_response_format")
+
+
+def _structured(body: dict) -> Structured | None:
+    """The structured-output constraint: OpenAI's `response_format` (json_object, json_schema)
+    or vLLM's `structured_outputs` (one of json, json_object, regex, choice; and
+    disable_any_whitespace). A schema the engine cannot compile is refused by the engine, before
+    any token (400 invalid_request)."""
+    fmt, so = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and so is not None:
+        raise _structured_error("set response_format or structured_outputs, not both")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise _structured_error('response_format.type must be "text", "json_object" or '
+                                    '"json_schema"')
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Structured(json_object=True)
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _structured_error("response_format json_schema needs json_schema.schema, "
+                                    "a JSON schema object")
+        return Structured(json=schema)
+    if so is None:
+        return None
+    if not isinstance(so, dict):
+        raise _structured_error("structured_outputs must be an object")
+    unknown = set(so) - {*STRUCTURED_KINDS, "disable_any_whitespace"}
+    if unknown:
+        raise ApiError(400, f"structured_outputs {', '.join(sorted(unknown))} is not supported "
+                            f"by this server yet (supported: {', '.join(STRUCTURED_KINDS)})",
+                       "unsupported_parameter")
+    given = {k: so[k] for k in STRUCTURED_KINDS if so.get(k) not in (None, False)}
+    whitespace = so.get("disable_any_whitespace", False)
+    if len(given) != 1 or type(whitespace) is not bool:
+        raise _structured_error(f"structured_outputs needs exactly one of "
+                                f"{', '.join(STRUCTURED_KINDS)} (disable_any_whitespace: a "
+                                f"boolean)")
+    (kind, value), = given.items()
+    valid = {"json": isinstance(value, dict), "json_object": value is True,
+             "regex": isinstance(value, str) and value != "",
+             "choice": isinstance(value, list) and bool(value)
+             and all(isinstance(c, str) for c in value)}[kind]
+    if not valid:
+        raise _structured_error(f"structured_outputs.{kind} must be "
+                                + {"json": "a JSON schema object", "json_object": "true",
+                                   "regex": "a non-empty string",
+                                   "choice": "a non-empty list of strings"}[kind])
+    return Structured(**{kind: value}, disable_any_whitespace=whitespace)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -282,8 +338,7 @@ def _sampling_extras(body: dict, max_tokens: int) -> dict[str, Any]:
 # refuses them unless a tool parser is configured.
 UNAPPLIED: dict[str, tuple] = {
     "n": (1,), "best_of": (1,), "prompt_logprobs": (0,), "echo": (False,), "logit_bias": ({},),
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "suffix": ("",),
 }

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm import SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
 from vllm.inputs import tokens_input
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
@@ -96,6 +97,10 @@ def sampling_params(s: Sampling, *, max_tokens: int | None = None,
         prompt_logprobs=s.prompt_logprobs, repetition_penalty=s.repetition_penalty,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         stop=list(s.stop), include_stop_str_in_output=s.include_stop_str_in_output,
+        structured_outputs=None if s.structured is None else StructuredOutputsParams(
+            json=s.structured.json, json_object=s.structured.json_object or None,
+            regex=s.structured.regex, choice=s.structured.choice,
+            disable_any_whitespace=s.structured.disable_any_whitespace),
         extra_args=extra,
     )
 

@@ -29,10 +29,11 @@ import msgspec
 
 # 2: `first_token`, prefill's sampled token, which the client already has; decode continues
 # after it. 3: sampling's `min_p`, penalties, `min_tokens` and stop strings (SAMPLING_V3).
+# 4: sampling's `structured` (structured outputs).
 # Older versions (1: no first token, decode samples it) stay readable, so a decode tier upgraded
 # first keeps taking an older prefill's handoffs; an older decode refuses a newer one by version.
-VERSION = 3
-SUPPORTED_VERSIONS = frozenset({1, 2, VERSION})
+VERSION = 4
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, VERSION})
 
 
 # ---- errors: one type per admission rule -------------------------------------------------------
@@ -129,6 +130,24 @@ class Features(_Strict):
     mm_placeholders: dict[str, list[Span]]
 
 
+class Structured(_Strict):
+    """A structured-output constraint (vLLM's StructuredOutputsParams): exactly one of a JSON
+    schema, any JSON object, a regular expression or a choice of strings."""
+
+    json: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = (self.json is not None) + self.json_object + (self.regex is not None) + (
+            self.choice is not None)
+        if kinds != 1:
+            raise ValueError("a structured-output constraint is exactly one of json, "
+                             "json_object, regex, choice")
+
+
 class Sampling(_Strict):
     """vLLM's sampling parameters, for the whole answer: prefill samples its first token with
     them, decode the rest (docs/api.md says where each one is applied)."""
@@ -151,13 +170,16 @@ class Sampling(_Strict):
     min_tokens: int = 0  # (v3) stop tokens are masked until the answer has this many
     stop: list[str] = []  # (v3) stop strings
     include_stop_str_in_output: bool = False  # (v3)
+    structured: Structured | None = None  # (v4) the answer follows this constraint
 
     def whole_answer_on_one_engine(self) -> bool:
         """Whether one engine must sample every token of the answer, so that decode samples the
-        first too: presence and frequency penalties count an engine's own output only, and with
+        first too: presence and frequency penalties count an engine's own output only; with
         stop strings vLLM holds back text that may start one, which prefill's token, streamed
-        at once, cannot be."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.stop)
+        at once, cannot be; a structured-output grammar advances over an engine's own output,
+        so decode's would start again at prefill's token."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.stop
+                    or self.structured)
 
 
 # Sampling's fields that version 3 added: an older handoff has them at their defaults.
@@ -291,6 +313,14 @@ def check_structure(h: Handoff) -> None:
     if h.v < 3 and any(getattr(h.sampling, f) != getattr(_DEFAULT_SAMPLING, f)
                        for f in SAMPLING_V3):
         raise MalformedHandoff(f"{', '.join(SAMPLING_V3)} need handoff version 3")
+    if h.sampling.structured is not None:
+        if h.v < 4:
+            raise MalformedHandoff("sampling.structured needs handoff version 4")
+        if h.first_token is not None or h.continued:
+            # the grammar starts at decode's first output token: tokens already in the prompt
+            # (prefill's, or a migrated answer's) would not be in it
+            raise MalformedHandoff("a structured answer is sampled wholly by decode: no "
+                                   "first_token, nothing continued")
     if h.first_token is not None:
         if h.v < 2:
             raise MalformedHandoff("first_token needs handoff version 2")
