@@ -368,6 +368,7 @@ def test_penalties_and_stop_strings_let_decode_sample_every_token(loop):
     token."""
     for extra, first_token in (({"presence_penalty": 0.5}, False),
                                ({"frequency_penalty": -1}, False), ({"stop": ["\n"]}, False),
+                               ({"response_format": {"type": "json_object"}}, False),
                                ({"repetition_penalty": 1.2}, True), ({}, True)):
         prefill = Scripted([handoff_answer()])
         status, _ = ask(loop, prefill, Scripted(ANSWER), extra=extra)
@@ -464,3 +465,14 @@ def test_completions_logprobs_are_parallel_lists_with_text_offsets():
     assert oai.completion(entries, 3) == {
         "tokens": ["Hé", "llo"], "token_logprobs": [-0.5, -0.25],
         "top_logprobs": [{"Hé": -0.5, "x": -1.5}, {"llo": -0.25}], "text_offset": [3, 5]}
+
+
+def test_a_structured_answer_lost_mid_answer_ends_with_the_error(loop):
+    """Its grammar cannot go on from tokens already sent (they would sit in the prompt): no
+    migration, the error instead of a continuation that may break the format."""
+    prefill = Scripted([handoff_answer("a")], [handoff_answer("b")])
+    decode = Scripted([chunk("{", [5]), LOST], ANSWER)
+    status, got = ask(loop, prefill, decode, max_tokens=8,
+                      extra={"structured_outputs": {"json_object": True}})
+    assert (status, got["error"]["code"]) == (503, "decode_failed")
+    assert len(prefill.requests) == 1
