@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -269,3 +271,46 @@ def test_a_structured_answer_travels_whole():
         "json": structured["json"], "json_object": False, "regex": None, "choice": None,
         "disable_any_whitespace": True}
     assert got.sampling.whole_answer_on_one_engine()
+
+
+# Sampling as version 3 of the code had it, field for field in its order (a frozen copy of
+# that wire format, independent of today's Sampling).
+class _SamplingV3(msgspec.Struct, kw_only=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+
+
+def test_a_version_3_prefills_signature_verifies_at_this_decode():
+    """A decode tier upgraded before prefill (a rolling upgrade) admits the older prefill's
+    signed handoffs: the MAC is computed over the message as version 3 encoded it."""
+    import hashlib
+    import hmac
+
+    from mmhandoff.wire.handoff import check_admission
+
+    key = b"k" * 32
+    h = _good(v=3, sampling=Sampling(max_tokens=8, min_p=0.1, stop=["x"]), nonce="n" * 32,
+              expires_at=time.time() + 30)
+    old = msgspec.to_builtins(h, builtin_types=(bytes,))  # its digest still None
+    old["sampling"] = msgspec.to_builtins(_SamplingV3(max_tokens=8, min_p=0.1, stop=["x"]))
+    old["digest"] = hmac.new(key, msgspec.msgpack.encode(old), hashlib.sha256).hexdigest()
+    got = decode_handoff(msgspec.msgpack.encode(old))
+    check_admission(got, fingerprint=FP, keys=[key])  # verifies
+    tampered = dict(old, token_ids=old["token_ids"][::-1])
+    with pytest.raises(DigestMismatch):
+        check_admission(decode_handoff(msgspec.msgpack.encode(tampered)), fingerprint=FP,
+                        keys=[key])

@@ -394,6 +394,26 @@ class ReplayGuard:
         return len(self._seen)
 
 
+# Fields added since version 4, each appended at the end of its struct, with the version that
+# added it. A prefill of an older version signed its handoff without them, so the MAC of an older
+# handoff leaves them out (they are at their defaults there: `check_structure` refuses them
+# otherwise): a decode tier upgraded first keeps verifying the older prefill's signatures. (Up
+# to version 3, fields were not all appended: signatures of version 1-2 prefills do not verify
+# at a version 3 or later decode.)
+FIELDS_SINCE: dict[tuple[str, ...], int] = {("sampling", "structured"): 4}
+
+
 def _mac(h: Handoff, key: bytes) -> str:
-    body = _encoder.encode(msgspec.structs.replace(h, digest=None))
+    unsigned = msgspec.structs.replace(h, digest=None)
+    newer = [path for path, version in FIELDS_SINCE.items() if h.v < version]
+    if not newer:
+        body = _encoder.encode(unsigned)
+    else:  # the message as its older prefill encoded it (same map order, bytes as bytes)
+        builtins = msgspec.to_builtins(unsigned, builtin_types=(bytes, bytearray))
+        for *parents, name in newer:
+            node = builtins
+            for parent in parents:
+                node = node[parent]
+            node.pop(name, None)
+        body = _encoder.encode(builtins)
     return hmac.new(key, body, hashlib.sha256).hexdigest()
