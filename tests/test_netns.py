@@ -8,17 +8,10 @@ import subprocess
 
 import pytest
 
+from tests.graph_runner import _listens
 from tests.netns import Hosts, _namespaces
 
 pytestmark = pytest.mark.unit
-
-
-def _connects(address: str, port: int) -> bool:
-    try:
-        socket.create_connection((address, port), timeout=2).close()
-        return True
-    except OSError:
-        return False
 
 
 def test_hosts_reach_each_other_over_the_bridge_and_are_removed_after():
@@ -31,7 +24,7 @@ def test_hosts_reach_each_other_over_the_bridge_and_are_removed_after():
             f"s.bind(('{hosts.ip('b')}', 7001)); s.listen(); print('up', flush=True); "
             "time.sleep(600)"]), stdout=subprocess.PIPE, text=True)
         assert listener.stdout.readline().strip() == "up"
-        assert hosts.call("a", _connects, hosts.ip("b"), 7001)
+        assert hosts.call("a", _listens, hosts.ip("b"), 7001)
         assert hosts.call("a", lambda: socket.if_nameindex())[-1][1] == "eth0"
     assert listener.wait(timeout=10) != 0  # killed with its namespace
     assert not names & set(_namespaces())
