@@ -145,9 +145,12 @@ def _parameters(url: str, messages: list[dict]) -> dict:
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
                                                "round": {"type": "boolean"}},
               "required": ["colour", "round"], "additionalProperties": False}
-    got["structured"] = ask(max_tokens=64, extra_body={"structured_outputs": {
-        "json": schema, "disable_any_whitespace": True}})
+    regex = r'\{"colour":"(red|green|blue)","round":(true|false)\}'  # the schema, no spaces
+    got["structured"] = ask(max_tokens=64, extra_body={"structured_outputs": {"regex": regex}})
     jsonschema.validate(json.loads(got["structured"][0]), schema)
+    got["json_schema"] = ask(max_tokens=24, response_format={
+        "type": "json_schema", "json_schema": {"name": "picture", "schema": schema}})
+    assert got["json_schema"][0].lstrip().startswith("{")  # as far as 24 tokens go
     for refused, kw in (("n", {"n": 2}), ("best_of", {"extra_body": {"best_of": 2}})):
         with pytest.raises(openai.BadRequestError) as e:
             ask(**kw)

@@ -262,14 +262,12 @@ def test_repr_hides_token_ids():
 
 
 def test_a_structured_answer_travels_whole():
-    structured = {"json": {"type": "object", "properties": {"a": {"enum": ["x"]}}},
-                  "disable_any_whitespace": True}
+    structured = {"json": {"type": "object", "properties": {"a": {"enum": ["x"]}}}}
     d = _raw(_good(sampling=Sampling(max_tokens=8)))
     d["sampling"]["structured"] = structured
     got = decode_handoff(_wire(d))
     assert msgspec.to_builtins(got.sampling.structured) == {
-        "json": structured["json"], "json_object": False, "regex": None, "choice": None,
-        "disable_any_whitespace": True}
+        "json": structured["json"], "json_object": False, "regex": None, "choice": None}
     assert got.sampling.whole_answer_on_one_engine()
 
 

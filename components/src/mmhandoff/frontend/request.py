@@ -212,8 +212,7 @@ def _structured_error(message: str) -> ApiError:
 
 def _structured(body: dict) -> Structured | None:
     """The structured-output constraint: OpenAI's `response_format` (json_object, json_schema)
-    or vLLM's `structured_outputs` (one of json, json_object, regex, choice; and
-    disable_any_whitespace). A schema the engine cannot compile is refused by the engine, before
+    or vLLM's `structured_outputs` (one of json, json_object, regex, choice). A schema the engine cannot compile is refused by the engine, before
     any token (400 invalid_request)."""
     fmt, so = body.get("response_format"), body.get("structured_outputs")
     if fmt is not None and so is not None:
@@ -237,17 +236,16 @@ def _structured(body: dict) -> Structured | None:
         return None
     if not isinstance(so, dict):
         raise _structured_error("structured_outputs must be an object")
-    unknown = set(so) - {*STRUCTURED_KINDS, "disable_any_whitespace"}
-    if unknown:
+    unknown = set(so) - set(STRUCTURED_KINDS)
+    if unknown:  # grammar, structural_tag; disable_any_whitespace: vLLM 0.31 applies only the
+        # engine's setting, so a request's would be silently ignored
         raise ApiError(400, f"structured_outputs {', '.join(sorted(unknown))} is not supported "
                             f"by this server yet (supported: {', '.join(STRUCTURED_KINDS)})",
                        "unsupported_parameter")
     given = {k: so[k] for k in STRUCTURED_KINDS if so.get(k) not in (None, False)}
-    whitespace = so.get("disable_any_whitespace", False)
-    if len(given) != 1 or type(whitespace) is not bool:
+    if len(given) != 1:
         raise _structured_error(f"structured_outputs needs exactly one of "
-                                f"{', '.join(STRUCTURED_KINDS)} (disable_any_whitespace: a "
-                                f"boolean)")
+                                f"{', '.join(STRUCTURED_KINDS)}")
     (kind, value), = given.items()
     valid = {"json": isinstance(value, dict), "json_object": value is True,
              "regex": isinstance(value, str) and value != "",
@@ -258,7 +256,7 @@ def _structured(body: dict) -> Structured | None:
                                 + {"json": "a JSON schema object", "json_object": "true",
                                    "regex": "a non-empty string",
                                    "choice": "a non-empty list of strings"}[kind])
-    return Structured(**{kind: value}, disable_any_whitespace=whitespace)
+    return Structured(**{kind: value})
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

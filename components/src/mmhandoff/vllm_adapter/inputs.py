@@ -99,8 +99,7 @@ def sampling_params(s: Sampling, *, max_tokens: int | None = None,
         stop=list(s.stop), include_stop_str_in_output=s.include_stop_str_in_output,
         structured_outputs=None if s.structured is None else StructuredOutputsParams(
             json=s.structured.json, json_object=s.structured.json_object or None,
-            regex=s.structured.regex, choice=s.structured.choice,
-            disable_any_whitespace=s.structured.disable_any_whitespace),
+            regex=s.structured.regex, choice=s.structured.choice),
         extra_args=extra,
     )
 

@@ -132,13 +132,13 @@ class Features(_Strict):
 
 class Structured(_Strict):
     """A structured-output constraint (vLLM's StructuredOutputsParams): exactly one of a JSON
-    schema, any JSON object, a regular expression or a choice of strings."""
+    schema, any JSON object, a regular expression or a choice of strings. (Whitespace inside
+    JSON is the engine's setting in vLLM 0.31, `structured_outputs_config`, not the request's.)"""
 
     json: dict[str, Any] | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
-    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         kinds = (self.json is not None) + self.json_object + (self.regex is not None) + (
