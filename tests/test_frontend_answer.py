@@ -476,3 +476,60 @@ def test_a_structured_answer_lost_mid_answer_ends_with_the_error(loop):
                       extra={"structured_outputs": {"json_object": True}})
     assert (status, got["error"]["code"]) == (503, "decode_failed")
     assert len(prefill.requests) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_answers_are_n_requests_seeded_as_vllm_seeds_them(loop, stream):
+    """n = 2: two answers to the prompt, each its own request (vLLM's parallel sampling: the
+    i-th with seed + i), as choices 0 and 1; the usage counts the prompt once."""
+    prefill = Scripted([handoff_answer()])
+    decode = Scripted(ANSWER)
+    status, got = ask(loop, prefill, decode, stream=stream,
+                      extra={"n": 2, "seed": 7, **({"stream_options": {"include_usage": True}}
+                                                  if stream else {})})
+    assert status == 200
+    ids = sorted(r["request_id"] for r in prefill.requests)
+    assert ids[0].endswith("-0") and ids[1].endswith("-1") and ids[0][:-2] == ids[1][:-2]
+    assert sorted(r["sampling"]["seed"] for r in prefill.requests) == [7, 8]
+    whole = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    if stream:
+        events = [json.loads(e) for e in got[:-1]]
+        text = {0: "", 1: ""}
+        for e in events[:-1]:
+            (choice,) = e["choices"]
+            text[choice["index"]] += choice["delta"].get("content", "")
+        assert text == {0: "Hello", 1: "Hello"}
+        assert (events[-1]["choices"], events[-1]["usage"]) == ([], whole)
+    else:
+        assert [(c["index"], c["message"]["content"]) for c in got["choices"]] == [
+            (0, "Hello"), (1, "Hello")]
+        assert got["usage"] == whole and len(got["mmhandoff"]) == 2
+
+
+def test_one_failed_answer_of_n_fails_the_request(loop):
+    prefill = Scripted([handoff_answer()])
+    decode = Scripted([envelope("digest_mismatch", "server")])
+    status, got = ask(loop, prefill, decode, extra={"n": 3})
+    assert (status, got["error"]["code"]) == (500, "digest_mismatch")
+
+
+def test_echo_starts_a_completion_with_its_prompt(loop):
+    runner = Frontend(Scripted([handoff_answer()]), Scripted(ANSWER), MODEL).runner()
+    url = serve_app(loop, runner)
+    try:
+        for stream in (False, True):
+            body = json.dumps({"model": MODEL, "prompt": "Say: ", "max_tokens": 2, "echo": True,
+                               "stream": stream}).encode()
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                raw = r.read().decode()
+            if stream:
+                parts = [json.loads(line[6:]) for line in raw.split("\n\n")
+                         if line.startswith("data: {")]
+                text = "".join(p["choices"][0]["text"] for p in parts)
+            else:
+                text = json.loads(raw)["choices"][0]["text"]
+            assert text == "Say: Hello", stream
+    finally:
+        loop.run(runner.cleanup())

@@ -237,11 +237,33 @@ def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
     assert (refused.value.status, refused.value.code) == (413, "image_too_large")
 
 
-UNAPPLIED_CASES = [("n", 2), ("best_of", 3),
-                   ("prompt_logprobs", 2), ("echo", True), ("logit_bias", {"5": 10}),
-                   ("guided_json", {"type": "object"}), ("n", True),
+UNAPPLIED_CASES = [("best_of", 3), ("prompt_logprobs", 2), ("logit_bias", {"5": 10}),
+                   ("guided_json", {"type": "object"}),
                    ("tools", [{"type": "function", "function": {"name": "f"}}]),
                    ("tool_choice", "auto")]
+
+
+@pytest.mark.parametrize("api, fields, expected", [
+    ("chat", {}, (1, False)),
+    ("chat", {"n": 3}, (3, False)),
+    ("completions", {"n": 2, "echo": True}, (2, True)),
+    ("completions", {"echo": False, "n": None}, (1, False)),
+    ("chat", {"n": 0}, ("invalid_sampling", "n must be")),
+    ("chat", {"n": 17}, ("invalid_sampling", "n must be")),
+    ("chat", {"n": True}, ("invalid_sampling", "n must be")),
+    ("completions", {"echo": "yes"}, ("invalid_sampling", "echo must be")),
+    ("chat", {"echo": True}, ("unsupported_parameter", "echo is not supported")),
+    ("completions", {"echo": True, "logprobs": 1}, ("unsupported_parameter", "echo with")),
+])
+def test_n_and_echo_are_read_before_any_work(api, fields, expected):
+    from mmhandoff.frontend.request import choices
+
+    if isinstance(expected[0], str):
+        with pytest.raises(ApiError) as refused:
+            choices(fields, api)
+        assert refused.value.code == expected[0] and str(refused.value).startswith(expected[1])
+    else:
+        assert choices(fields, api) == expected
 
 
 @pytest.mark.parametrize("name, value", UNAPPLIED_CASES)
@@ -327,7 +349,7 @@ def test_the_values_that_ask_for_nothing_pass_the_check():
     """What clients send by default (openai's and vLLM's benchmark clients fill some in)."""
     from mmhandoff.frontend.request import _refuse_unapplied
 
-    _refuse_unapplied({"n": 1, "stop": None, "prompt_logprobs": 0, "echo": False,
+    _refuse_unapplied({"best_of": 1, "stop": None, "prompt_logprobs": 0,
                        "presence_penalty": 0.0, "frequency_penalty": 0, "top_k": -1,
                        "repetition_penalty": 1.0, "response_format": {"type": "text"},
                        "tools": [], "tool_choice": "none", "logit_bias": {}, "stop_token_ids": [],

@@ -102,6 +102,8 @@ def _parameters(url: str, messages: list[dict]) -> dict:
 
     eos = {"extra_body": {"ignore_eos": True}}
     plain = ask(**eos)
+    plain_prompt = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
     text = plain[0]
     assert plain[1:] == ("length", 12) and len(text) >= 6, plain
     start = next(i for i in range(len(text) // 3, len(text) - 2)
@@ -129,6 +131,16 @@ def _parameters(url: str, messages: list[dict]) -> dict:
     assert got["penalties"][1:] == ("length", 12)
     seeded = ask(temperature=1, seed=7, **eos)
     assert ask(temperature=1, seed=7, **eos) == seeded  # a seed makes it reproducible
+    # n: greedy answers are all the greedy one; seeded, the i-th is seed + i's (as vLLM's
+    # parallel sampling seeds its children)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                       temperature=0, n=2, extra_body={"ignore_eos": True})
+    assert [c.message.content for c in r.choices] == [text, text]
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == plain_prompt
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                       temperature=1, seed=7, n=2, extra_body={"ignore_eos": True})
+    assert [c.message.content for c in r.choices] == [seeded[0],
+                                                      ask(temperature=1, seed=8, **eos)[0]]
     # logprobs: one per token of the answer, each greedy token its position's likeliest (the
     # tiny model's tokens are mostly single bytes of UTF-8: their strings do not spell the text)
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
@@ -151,7 +163,8 @@ def _parameters(url: str, messages: list[dict]) -> dict:
     got["json_schema"] = ask(max_tokens=24, response_format={
         "type": "json_schema", "json_schema": {"name": "picture", "schema": schema}})
     assert got["json_schema"][0].lstrip().startswith("{")  # as far as 24 tokens go
-    for refused, kw in (("n", {"n": 2}), ("best_of", {"extra_body": {"best_of": 2}})):
+    for refused, kw in (("best_of", {"extra_body": {"best_of": 2}}),
+                        ("prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}})):
         with pytest.raises(openai.BadRequestError) as e:
             ask(**kw)
         assert e.value.body["code"] == "unsupported_parameter"

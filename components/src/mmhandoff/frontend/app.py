@@ -41,6 +41,7 @@ from mmhandoff.frontend.request import (
     FrontendLimits,
     RequestReader,
     StreamOptions,
+    choices,
     client_request_id,
     stream_options,
 )
@@ -83,6 +84,7 @@ class Piece:
     usage: dict | None = None
     stats: AnswerStats | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    index: int = 0  # which of the request's `n` answers
 
 
 def api_error(e: RemoteError) -> ApiError:
@@ -172,33 +174,38 @@ class Frontend:
         except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
             raise ApiError(400, "request body is not valid JSON", "invalid_json") from None
         options = stream_options(body)  # before read() fetches any image
+        n, echo = choices(body, api)
         prefill_request = await read(body)
         if client_id is not None:  # the answer's id, and every component's log line, carry it
             prefix = prefill_request.request_id.split("-", 1)[0]
             prefill_request = msgspec.structs.replace(prefill_request,
                                                       request_id=f"{prefix}-{client_id}")
-        echo = client_id or prefill_request.request_id
+        reply_id = client_id or prefill_request.request_id
         # decode samples the first token too: the older contract (benchmarks compare them), or
         # settings that need one engine to sample the whole answer (penalties, stop strings)
         if (self.first_token_from == "decode"
                 or prefill_request.sampling.whole_answer_on_one_engine()):
             prefill_request = msgspec.structs.replace(prefill_request, first_token=False)
+        requests = [prefill_request] if n == 1 else [_nth(prefill_request, i) for i in range(n)]
+        shown = prefill_request.prompt if echo else ""  # each answer's text starts with it
         self.metrics.in_flight.inc()
         try:
-            async with aclosing(self._answer(prefill_request, t0)) as pieces:
+            async with aclosing(self._choices(requests, t0)) as pieces:
                 if options.stream:
                     return await self._stream(request, api, prefill_request.request_id, pieces,
-                                              options, echo)
-                text, last, entries = "", Piece(""), []
-                async for last in pieces:
-                    text += last.text
-                    entries += last.logprobs or []
-                logprobs = (None if prefill_request.sampling.logprobs is None else
-                            oai_logprobs.chat(entries) if api == "chat" else
-                            oai_logprobs.completion(entries, 0))
+                                              options, reply_id, shown)
+                texts, lasts = [shown] * n, [Piece("")] * n
+                entries: list[list[TokenLogprob]] = [[] for _ in range(n)]
+                async for piece in pieces:
+                    texts[piece.index] += piece.text
+                    lasts[piece.index] = piece
+                    entries[piece.index] += piece.logprobs or []
+                logprobs = [None if prefill_request.sampling.logprobs is None else
+                            oai_logprobs.chat(e) if api == "chat" else
+                            oai_logprobs.completion(e, 0) for e in entries]
                 return web.json_response(
-                    _whole(api, prefill_request.request_id, self.model, text, last, logprobs),
-                    headers={"X-Request-Id": echo})
+                    _whole(api, prefill_request.request_id, self.model, texts, lasts, logprobs),
+                    headers={"X-Request-Id": reply_id})
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.disconnects.inc()  # the client left; aclosing aborted the request
             raise
@@ -206,28 +213,39 @@ class Frontend:
             self.metrics.in_flight.dec()
 
     async def _stream(self, request, api, request_id, pieces, options: StreamOptions,
-                      echo: str) -> web.StreamResponse:
+                      reply_id: str, shown: str) -> web.StreamResponse:
+        """`shown`: text each answer starts with (completions' echo of the prompt)."""
         first = await anext(pieces)  # errors before the first token still get a 4xx/5xx
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache",
-                                               "X-Request-Id": echo})
+                                               "X-Request-Id": reply_id})
         await response.prepare(request)
         created = int(time.time())
 
         async def send(event: dict) -> None:
             await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
 
+        offsets: dict[int, int] = {}  # per answer: its text so far
+        usage: dict[int, dict | None] = {}  # per answer: its usage so far
+
+        async def send_piece(piece: Piece) -> None:
+            if piece.index not in offsets:  # an answer's first piece
+                piece.text = shown + piece.text
+                offsets[piece.index] = 0
+            usage[piece.index] = piece.usage
+            await send(_chunk(api, request_id, self.model, created, piece, options,
+                              offsets[piece.index]))
+            offsets[piece.index] += len(piece.text)
+
         try:
             last = first
-            await send(_chunk(api, request_id, self.model, created, first, options))
-            offset = len(first.text)
+            await send_piece(first)
             async for last in pieces:
-                await send(_chunk(api, request_id, self.model, created, last, options, offset))
-                offset += len(last.text)
+                await send_piece(last)
             if options.include_usage:  # OpenAI's last chunk: no choice, the whole usage
                 final = _chunk(api, request_id, self.model, created, last, options)
                 final.pop("mmhandoff", None)  # sent with the finish reason
-                await send({**final, "choices": [], "usage": last.usage})
+                await send({**final, "choices": [], "usage": _total(list(usage.values()))})
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:  # the status is sent: the stream says it failed, and no [DONE]
@@ -238,6 +256,43 @@ class Frontend:
             await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _choices(self, requests: list, t0: float) -> AsyncIterator[Piece]:
+        """The pieces of the request's answers (`n` > 1: one request each, answered side by
+        side, each piece tagged with its answer's index), as they come. One that fails ends
+        them all with its error."""
+        if len(requests) == 1:
+            async with aclosing(self._answer(requests[0], t0)) as pieces:
+                async for piece in pieces:
+                    yield piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def answer(i: int, one) -> None:
+            try:
+                async with aclosing(self._answer(one, t0)) as pieces:
+                    async for piece in pieces:
+                        piece.index = i
+                        await queue.put(piece)
+                await queue.put(i)  # this answer is whole
+            except Exception as e:
+                await queue.put(e)
+
+        tasks = [asyncio.ensure_future(answer(i, one)) for i, one in enumerate(requests)]
+        try:
+            whole = 0
+            while whole < len(tasks):
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if isinstance(item, int):
+                    whole += 1
+                else:
+                    yield item
+        finally:  # an error, or the client gone: the other answers stop (their requests abort)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _answer(self, prefill_request, t0: float) -> AsyncIterator[Piece]:
         """The answer's pieces: prefill's first token as soon as prefill answers, then decode's.
@@ -407,15 +462,36 @@ def _usage(prompt: int, completion: int) -> dict:
             "total_tokens": prompt + completion}
 
 
-def _whole(api: str, request_id: str, model: str, text: str, last: Piece,
-           logprobs: dict | None) -> dict:
-    choice = ({"index": 0, "finish_reason": last.finish, "logprobs": logprobs,
-               "message": {"role": "assistant", "content": text}} if api == "chat" else
-              {"index": 0, "finish_reason": last.finish, "text": text, "logprobs": logprobs})
+def _nth(request, i: int):
+    """The i-th of `n` answers to one prompt, as vLLM's parallel sampling makes it: its own
+    request, seeded with seed + i."""
+    s = request.sampling
+    return msgspec.structs.replace(request, request_id=f"{request.request_id}-{i}",
+                                   sampling=msgspec.structs.replace(
+                                       s, seed=None if s.seed is None else s.seed + i))
+
+
+def _total(usages: list[dict | None]) -> dict | None:
+    """The usage of `n` answers to one prompt: the prompt once, every answer's tokens."""
+    if not usages or any(u is None for u in usages):
+        return None
+    return _usage(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages))
+
+
+def _whole(api: str, request_id: str, model: str, texts: list[str], lasts: list[Piece],
+           logprobs: list[dict | None]) -> dict:
+    """The whole answer: one choice per answer (`n`); `mmhandoff` is the answer's statistics,
+    or (`n` > 1) a list of them, one per choice."""
+    choices = [({"index": i, "finish_reason": last.finish, "logprobs": lp,
+                 "message": {"role": "assistant", "content": text}} if api == "chat" else
+                {"index": i, "finish_reason": last.finish, "text": text, "logprobs": lp})
+               for i, (text, last, lp) in enumerate(zip(texts, lasts, logprobs))]
+    stats = [msgspec.to_builtins(last.stats) if last.stats is not None else None
+             for last in lasts]
     return {"id": request_id, "object": "chat.completion" if api == "chat" else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": last.usage,
-            "mmhandoff": msgspec.to_builtins(last.stats) if last.stats is not None else None}
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": _total([last.usage for last in lasts]),
+            "mmhandoff": stats[0] if len(stats) == 1 else stats}
 
 
 def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece,
@@ -423,11 +499,12 @@ def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece,
     """`offset`: where the piece's text starts in the answer (completions' logprobs)."""
     entries = piece.logprobs
     if api == "chat":
-        choice = {"index": 0, "delta": {"content": piece.text} if piece.text else {},
+        choice = {"index": piece.index,
+                  "delta": {"content": piece.text} if piece.text else {},
                   "logprobs": None if entries is None else oai_logprobs.chat(entries),
                   "finish_reason": piece.finish}
     else:
-        choice = {"index": 0, "text": piece.text, "finish_reason": piece.finish,
+        choice = {"index": piece.index, "text": piece.text, "finish_reason": piece.finish,
                   "logprobs": None if entries is None else oai_logprobs.completion(entries,
                                                                                    offset)}
     chunk = {"id": request_id, "object": "chat.completion.chunk" if api == "chat" else

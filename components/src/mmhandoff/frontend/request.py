@@ -259,6 +259,31 @@ def _structured(body: dict) -> Structured | None:
     return Structured(**{kind: value})
 
 
+MAX_CHOICES = 16
+
+
+def choices(body: Any, api: str) -> tuple[int, bool]:
+    """(`n`, completions' `echo`): how many answers to the one prompt (vLLM's parallel
+    sampling: the i-th sampled with seed + i when a seed is set), and whether each answer's text
+    starts with the prompt."""
+    if not isinstance(body, dict):
+        return 1, False
+    n = body.get("n")
+    n = 1 if n is None else n
+    if type(n) is not int or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be an integer in [1, {MAX_CHOICES}]", "invalid_sampling")
+    echo = body.get("echo")
+    if echo is not None and type(echo) is not bool:
+        raise ApiError(400, "echo must be a boolean", "invalid_sampling")
+    if echo and api == "chat":  # vLLM's chat echo repeats the last message: another meaning
+        raise ApiError(400, "echo is not supported by this server for chat completions yet",
+                       "unsupported_parameter")
+    if echo and body.get("logprobs") is not None:
+        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server "
+                            "does not compute", "unsupported_parameter")
+    return n, bool(echo)
+
+
 def _logprobs(body: dict, chat: bool) -> int | None:
     """Sampling.logprobs: how many top tokens each answer token comes with (0: its own logprob
     only), None: none asked. Chat: `logprobs: true` and `top_logprobs: k`; completions:
@@ -335,7 +360,7 @@ def _sampling_extras(body: dict, max_tokens: int) -> dict[str, Any]:
 # applied, one choice for n=2, no JSON for a schema) looks right and is wrong. tools: vLLM itself
 # refuses them unless a tool parser is configured.
 UNAPPLIED: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "prompt_logprobs": (0,), "echo": (False,), "logit_bias": ({},),
+    "best_of": (1,), "prompt_logprobs": (0,), "logit_bias": ({},),
     "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "suffix": ("",),
