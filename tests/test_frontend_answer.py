@@ -533,3 +533,20 @@ def test_echo_starts_a_completion_with_its_prompt(loop):
             assert text == "Say: Hello", stream
     finally:
         loop.run(runner.cleanup())
+
+
+def test_a_handoff_that_reached_decode_too_late_is_prefilled_again(loop):
+    """Decode refuses a handoff past its TTL (prefill's lease may have freed, even reused, its
+    blocks): the frontend prefills again, as after a fail-closed refusal."""
+    prefill = Scripted([handoff_answer("a")], [handoff_answer("b")])
+    decode = Scripted([envelope("expired", "server")], ANSWER)
+    status, got = ask(loop, prefill, decode)
+    assert status == 200 and got["mmhandoff"]["retries"] == 1
+
+
+def test_a_handoff_expires_well_inside_prefills_kv_lease():
+    from mmhandoff.prefill.worker import HANDOFF_TTL_S, VLLM_KV_LEASE_S, handoff_ttl
+
+    for lease in (8, 30, 120):
+        assert 0 < handoff_ttl(lease) <= lease - lease / 3 + 1e-9
+    assert handoff_ttl(None) == HANDOFF_TTL_S < VLLM_KV_LEASE_S

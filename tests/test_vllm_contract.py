@@ -61,8 +61,13 @@ def test_nixl_settings_we_pass_are_read():
     import vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler as sched
     import vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker as worker
 
+    from mmhandoff.prefill.worker import VLLM_KV_LEASE_S
+
     assert '"kv_lease_duration"' in inspect.getsource(sched)
     assert '"num_threads"' in inspect.getsource(worker)
+    # the lease prefill's handoff TTL is derived from when --kv-lease-s is not given
+    assert f'"kv_lease_duration", {VLLM_KV_LEASE_S}' in " ".join(
+        inspect.getsource(sched).split()), "vLLM's default kv_lease_duration changed"
 
 
 def test_kv_event_wire_type():

@@ -64,7 +64,8 @@ DRAIN_S = 30.0
 
 
 # Failures of ours that a client may retry later (503); any other fault of ours is a 500.
-UNAVAILABLE = frozenset({"kv_coverage", "prefill_failed", "decode_failed"})
+# "expired": the handoff reached decode after prefill's lease could have freed its blocks.
+UNAVAILABLE = frozenset({"kv_coverage", "prefill_failed", "decode_failed", "expired"})
 # The same failures are retried through prefill (nothing sent yet) or migrated (tokens sent):
 # decode failed closed, or a worker was lost (died, or silent for `stall_s`).
 RETRIED = UNAVAILABLE

@@ -39,9 +39,18 @@ from mmhandoff.wire.messages import (
 __all__ = ["InvalidRequest", "PrefillError", "PrefillWorker"]
 
 
-# How long a signed handoff stays valid. It only has to outlive the trip to decode and decode's
-# queue; prefill holds the blocks for its KV lease, and a handoff past that is useless anyway.
-HANDOFF_TTL_S = 120.0
+# How long a signed handoff stays valid: well inside prefill's KV lease. Past the lease prefill
+# frees the blocks and may reuse them, and a late pull would read whatever they hold then (a NIXL
+# read of registered memory succeeds), answer with it and keep it in decode's prefix cache under
+# this prompt's hashes. Decode refuses an expired handoff; the frontend prefills again. The
+# margin covers the trip from admission to the engine's first lease heartbeat.
+VLLM_KV_LEASE_S = 30  # vLLM's kv_lease_duration when --kv-lease-s is not given
+HANDOFF_TTL_S = VLLM_KV_LEASE_S * 2 / 3
+
+
+def handoff_ttl(kv_lease_s: int | None) -> float:
+    """A handoff's validity for prefill's KV lease: two thirds of it."""
+    return (kv_lease_s or VLLM_KV_LEASE_S) * 2 / 3
 
 
 class PrefillError(RuntimeError):
@@ -214,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             router = RouterLookup(await (
                 rt.endpoint(f"{args.namespace}.{component}.{HELD}").client()))
         return PrefillWorker(engine, full_media=args.full_media, key=key, router=router,
+                             ttl_s=handoff_ttl(args.kv_lease_s),
                              bypass_max_tokens=args.bypass_max_tokens)
 
     return run("prefill", "prefill", ENDPOINT, make_worker, ERRORS, argv)
