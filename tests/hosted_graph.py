@@ -4,6 +4,9 @@ client host. What the replicas print is kept (`log`) instead of relayed."""
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
+
 from mmhandoff.serving.supervisor import Supervisor, _answers, check_config, load_graph
 
 
@@ -42,12 +45,27 @@ class HostedGraph(Supervisor):
     def lines(self, module: str) -> str:
         return "".join(line for line in self.log if line.startswith(f"[{module}-"))
 
+    def health(self) -> dict[str, str]:
+        """What each replica's health URL answers now (status and body), asked from the client
+        host: the first thing to read when a graph does not get ready."""
+        def ask(url: str) -> str:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    return f"{r.status} {r.read()[:400]!r}"
+            except urllib.error.HTTPError as e:
+                return f"{e.code} {e.read()[:400]!r}"
+            except OSError as e:
+                return repr(e)
+        return {r.name: self.hosts.call(self.client, ask, r.health_url) for r in self.replicas}
+
     def __enter__(self) -> "HostedGraph":
         self.start()
         try:
             if not self.wait_ready(lambda: False, self.ready_s):
-                raise AssertionError(f"not ready: {self.dead() or 'timed out'}\n"
-                                     + "".join(self.log[-80:]))
+                raise AssertionError(f"not ready: {self.dead() or 'timed out'}; health: "
+                                     f"{self.health()}\n" + "".join(
+                                         line for line in self.log if "ucp_" not in line
+                                         and " | " not in line and "+--" not in line)[-6000:])
         except BaseException:
             self.stop()
             raise

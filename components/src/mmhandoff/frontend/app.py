@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m mmhandoff.frontend`: serve HTTP once the workers are discoverable."""
     import signal
 
-    from mmhandoff.serving.registration import LOST_AFTER_S, lost_registration
+    from mmhandoff.serving.registration import lost_message, lost_registration
     from mmhandoff.serving.runtime import client, run, runtime
     from mmhandoff.serving.runtime import serve as serve_endpoint
 
@@ -601,8 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
         code = 0
         if lost.done():
-            print(f"[frontend] not in discovery for {LOST_AFTER_S:.0f} s (its lease ended while "
-                  f"etcd was away?): exiting", file=sys.stderr, flush=True)
+            print(f"[frontend] {lost_message(lost.result())}", file=sys.stderr, flush=True)
             code = 1
         for task in (stopped, lost, serving_alive):
             task.cancel()

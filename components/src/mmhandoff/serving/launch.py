@@ -138,7 +138,7 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     from mmhandoff.serving.health import ENGINE_DEAD, start_not_ready, watch_engine
     from mmhandoff.serving.runtime import runtime, serve
     from mmhandoff.serving.load_metrics import publish_engine_load
-    from mmhandoff.serving.registration import LOST_AFTER_S, lost_registration
+    from mmhandoff.serving.registration import lost_message, lost_registration
     from mmhandoff.vllm_adapter import EngineLoad, start_engine
 
     events = block_feed.events_endpoint()
@@ -177,8 +177,7 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
               flush=True)
         code = 1
     elif lost.done():
-        print(f"[{path}] this worker has not been in discovery for {LOST_AFTER_S:.0f} s (its "
-              f"lease ended while etcd was away?): exiting", file=sys.stderr, flush=True)
+        print(f"[{path}] {lost_message(lost.result())}", file=sys.stderr, flush=True)
         code = 1
     rt.set_health_status(False)
     feed.close()  # routers' streams end now: they are not requests to wait for

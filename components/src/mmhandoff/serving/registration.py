@@ -7,6 +7,9 @@ not write it again (ai-dynamo/dynamo#3493). Measured on a disagg graph: every re
 503 `prefill_failed` while every process stayed up. So each worker watches its own instance in
 discovery and, once it has been missing for `LOST_AFTER_S`, ends with exit 1: `serve` restarts
 it (a component with several replicas) or stops the graph, and Kubernetes restarts a pod.
+
+A worker whose instance never shows up in discovery is in the same state from the start (it
+reports ready, nobody calls it): after `FIRST_SEEN_S` it ends the same way, saying so.
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ import asyncio
 import time
 
 LOST_AFTER_S = 10.0
+FIRST_SEEN_S = 60.0
 
 
 async def lost_registration(rt, path: str, *, after_s: float = LOST_AFTER_S,
-                            every_s: float = 1.0) -> None:
-    """Returns once this process's instance of `path` has been missing from discovery for
-    `after_s`, having been there before."""
+                            every_s: float = 1.0, first_seen_s: float = FIRST_SEEN_S) -> str:
+    """Returns why this process's instance of `path` is not in discovery, once that is so:
+    "lost", missing for `after_s` after it had been there, or "never", not there `first_seen_s`
+    after the watch began."""
     endpoint = rt.endpoint(path)
     instances = await endpoint.client()
-    seen, missing_since = False, None
+    seen, missing_since, began = False, None, time.monotonic()
     while True:
         await asyncio.sleep(every_s)
         if endpoint.connection_id() in instances.instance_ids():  # the id may change: ask again
@@ -31,4 +36,14 @@ async def lost_registration(rt, path: str, *, after_s: float = LOST_AFTER_S,
         elif seen:
             missing_since = missing_since or time.monotonic()
             if time.monotonic() - missing_since >= after_s:
-                return
+                return "lost"
+        elif time.monotonic() - began >= first_seen_s:
+            return "never"
+
+
+def lost_message(why: str) -> str:
+    if why == "never":
+        return (f"not in discovery {FIRST_SEEN_S:.0f} s after it began serving (its "
+                f"registration never reached etcd or the discovery folder): exiting")
+    return (f"not in discovery for {LOST_AFTER_S:.0f} s (its lease ended while etcd was "
+            f"away?): exiting")
