@@ -12,13 +12,11 @@ pytestmark = pytest.mark.unit
 
 
 class _Runtime:
-    """Discovery lists this process's instance (id 7) at the polls named in `present`."""
+    """An Endpoint whose discovery lists this process's instance (id 7) at the polls named in
+    `present`."""
 
     def __init__(self, present) -> None:
         self.present, self.polls = present, 0
-
-    def endpoint(self, path):
-        return self
 
     async def client(self):
         return self
@@ -33,7 +31,7 @@ class _Runtime:
 
 def _why(present, **kw) -> tuple[str, int]:
     rt = _Runtime(present)
-    why = asyncio.run(asyncio.wait_for(lost_registration(rt, "ns.c.e", every_s=0.001, **kw), 10))
+    why = asyncio.run(asyncio.wait_for(lost_registration(rt, every_s=0.001, **kw), 10))
     return why, rt.polls
 
 
@@ -52,8 +50,8 @@ def test_a_present_instance_is_watched_on():
     rt = _Runtime(lambda n: True)
 
     async def watch():
-        task = asyncio.ensure_future(lost_registration(rt, "ns.c.e", every_s=0.001,
-                                                       after_s=0.01, first_seen_s=0.01))
+        task = asyncio.ensure_future(lost_registration(rt, every_s=0.001, after_s=0.01,
+                                                       first_seen_s=0.01))
         while rt.polls < 50:
             await asyncio.sleep(0.001)
         assert not task.done()

@@ -595,8 +595,9 @@ def main(argv: list[str] | None = None) -> int:
         # The frontend's own instance in discovery, watched like a worker's: a runtime that lost
         # its etcd lease sees no worker again (every answer a 503) though the process runs.
         alive = f"{args.namespace}.frontend.alive"
-        serving_alive = serve_endpoint(rt, alive, _alive, ())
-        lost = asyncio.ensure_future(lost_registration(rt, alive))
+        alive_endpoint = rt.endpoint(alive)  # taken before serving it (serving/registration)
+        serving_alive = serve_endpoint(rt, alive, _alive, (), endpoint=alive_endpoint)
+        lost = asyncio.ensure_future(lost_registration(alive_endpoint))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
         code = 0

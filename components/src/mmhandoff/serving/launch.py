@@ -150,7 +150,9 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,
                  request_plane=args.request_plane, nixl_host=args.nixl_host)
     path = f"{args.namespace}.{endpoint}"
-    publish_engine_load(rt.endpoint(path), load)
+    # taken once, before anything is served (see serving/registration.py)
+    served_endpoint = rt.endpoint(path)
+    publish_engine_load(served_endpoint, load)
     # the blocks the engine holds, for routers (started before requests can come)
     feed, subscriber, _ = block_feed.start_feed(
         rt, path.rsplit(".", 1)[0], events, spec.extra.get("block_size", spec.block_size))
@@ -159,7 +161,7 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
         worker = await worker
     if hasattr(worker, "warm_up"):  # the first client's request as fast as the rest
         await worker.warm_up()
-    served = serve(rt, path, worker.handle, errors)
+    served = serve(rt, path, worker.handle, errors, endpoint=served_endpoint)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -167,7 +169,7 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     print(f"[{path}] ready", file=sys.stderr, flush=True)
     stopped = asyncio.ensure_future(stop.wait())
     watch = asyncio.ensure_future(watch_engine(rt, engine, path))
-    lost = asyncio.ensure_future(lost_registration(rt, path))
+    lost = asyncio.ensure_future(lost_registration(served_endpoint))
     await asyncio.wait([stopped, watch, served, lost], return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if watch.done():

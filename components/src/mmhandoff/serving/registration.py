@@ -21,12 +21,16 @@ LOST_AFTER_S = 10.0
 FIRST_SEEN_S = 60.0
 
 
-async def lost_registration(rt, path: str, *, after_s: float = LOST_AFTER_S,
+async def lost_registration(endpoint, *, after_s: float = LOST_AFTER_S,
                             every_s: float = 1.0, first_seen_s: float = FIRST_SEEN_S) -> str:
-    """Returns why this process's instance of `path` is not in discovery, once that is so:
+    """Returns why this process's instance of `endpoint` is not in discovery, once that is so:
     "lost", missing for `after_s` after it had been there, or "never", not there `first_seen_s`
-    after the watch began."""
-    endpoint = rt.endpoint(path)
+    after the watch began.
+
+    `endpoint` is the runtime's Endpoint, taken before serving it: `rt.endpoint(path)` called
+    while the runtime registers that endpoint blocked the calling thread for good (seen with
+    etcd and NATS: py-spy showed a prefill's event loop stopped on it, the worker reported ready
+    and was never in discovery)."""
     instances = await endpoint.client()
     seen, missing_since, began = False, None, time.monotonic()
     while True:

@@ -99,10 +99,12 @@ def endpoint_handler(handler: Callable[[Any], AsyncIterator[Any]],
 
 
 def serve(rt, path: str, handler: Callable[[Any], AsyncIterator[Any]],
-          errors: tuple[type[BaseException], ...]) -> asyncio.Future:
-    """Serve `handler` at `path` ("namespace.component.endpoint"); see endpoint_handler."""
-    endpoint = endpoint_handler(handler, errors)
-    return asyncio.ensure_future(rt.endpoint(path).serve_endpoint(endpoint))
+          errors: tuple[type[BaseException], ...], *, endpoint=None) -> asyncio.Future:
+    """Serve `handler` at `path` ("namespace.component.endpoint"); see endpoint_handler.
+    `endpoint`: the runtime's Endpoint for `path`, when the caller took it already (take each
+    one before serving anything: serving/registration.py says why)."""
+    target = endpoint if endpoint is not None else rt.endpoint(path)
+    return asyncio.ensure_future(target.serve_endpoint(endpoint_handler(handler, errors)))
 
 
 async def client(rt, path: str, timeout_s: float = 30.0):
