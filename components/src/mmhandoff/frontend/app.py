@@ -201,9 +201,8 @@ class Frontend:
                     texts[piece.index] += piece.text
                     lasts[piece.index] = piece
                     entries[piece.index] += piece.logprobs or []
-                logprobs = [None if prefill_request.sampling.logprobs is None else
-                            oai_logprobs.chat(e) if api == "chat" else
-                            oai_logprobs.completion(e, 0) for e in entries]
+                asked = prefill_request.sampling.logprobs is not None
+                logprobs = [oai_logprobs.for_api(api, e if asked else None) for e in entries]
                 return web.json_response(
                     _whole(api, prefill_request.request_id, self.model, texts, lasts, logprobs),
                     headers={"X-Request-Id": reply_id})
@@ -498,16 +497,14 @@ def _whole(api: str, request_id: str, model: str, texts: list[str], lasts: list[
 def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece,
            options: StreamOptions, offset: int = 0) -> dict:
     """`offset`: where the piece's text starts in the answer (completions' logprobs)."""
-    entries = piece.logprobs
+    logprobs = oai_logprobs.for_api(api, piece.logprobs, offset)
     if api == "chat":
         choice = {"index": piece.index,
                   "delta": {"content": piece.text} if piece.text else {},
-                  "logprobs": None if entries is None else oai_logprobs.chat(entries),
-                  "finish_reason": piece.finish}
+                  "logprobs": logprobs, "finish_reason": piece.finish}
     else:
         choice = {"index": piece.index, "text": piece.text, "finish_reason": piece.finish,
-                  "logprobs": None if entries is None else oai_logprobs.completion(entries,
-                                                                                   offset)}
+                  "logprobs": logprobs}
     chunk = {"id": request_id, "object": "chat.completion.chunk" if api == "chat" else
              "text_completion", "created": created, "model": model, "choices": [choice]}
     if options.include_usage:

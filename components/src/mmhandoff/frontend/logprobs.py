@@ -36,3 +36,10 @@ def completion(entries: list[TokenLogprob], offset: int) -> dict:
         out["text_offset"].append(offset)
         offset += len(e.token)
     return out
+
+
+def for_api(api: str, entries: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+    """The answer's (or a streamed piece's) `logprobs` field: None when none were asked."""
+    if entries is None:
+        return None
+    return chat(entries) if api == "chat" else completion(entries, offset)

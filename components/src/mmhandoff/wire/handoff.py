@@ -187,6 +187,14 @@ SAMPLING_V3 = ("min_p", "repetition_penalty", "presence_penalty", "frequency_pen
                "min_tokens", "stop", "include_stop_str_in_output")
 _DEFAULT_SAMPLING = Sampling()
 
+# Fields added since version 4, each appended at the end of its struct and None by default,
+# with the version that added it. An older handoff has them at None (`check_structure` refuses
+# it otherwise), and its prefill signed it without them, so its MAC leaves them out: a decode
+# tier upgraded first keeps verifying an older prefill's signatures. (Up to version 3, fields
+# were not all appended: signatures of version 1-2 prefills do not verify at a version 3 or
+# later decode.)
+FIELDS_SINCE: dict[tuple[str, ...], int] = {("sampling", "structured"): 4}
+
 
 class Handoff(_Strict):
     v: int
@@ -313,9 +321,14 @@ def check_structure(h: Handoff) -> None:
     if h.v < 3 and any(getattr(h.sampling, f) != getattr(_DEFAULT_SAMPLING, f)
                        for f in SAMPLING_V3):
         raise MalformedHandoff(f"{', '.join(SAMPLING_V3)} need handoff version 3")
+    for *parents, name in (path for path, version in FIELDS_SINCE.items() if h.v < version):
+        node = h
+        for parent in parents:
+            node = getattr(node, parent)
+        if getattr(node, name) is not None:  # each such field defaults to None
+            raise MalformedHandoff(f"{'.'.join((*parents, name))} needs handoff version "
+                                   f"{FIELDS_SINCE[(*parents, name)]}")
     if h.sampling.structured is not None:
-        if h.v < 4:
-            raise MalformedHandoff("sampling.structured needs handoff version 4")
         if h.first_token is not None or h.continued:
             # the grammar starts at decode's first output token: tokens already in the prompt
             # (prefill's, or a migrated answer's) would not be in it
@@ -392,15 +405,6 @@ class ReplayGuard:
 
     def __len__(self) -> int:
         return len(self._seen)
-
-
-# Fields added since version 4, each appended at the end of its struct, with the version that
-# added it. A prefill of an older version signed its handoff without them, so the MAC of an older
-# handoff leaves them out (they are at their defaults there: `check_structure` refuses them
-# otherwise): a decode tier upgraded first keeps verifying the older prefill's signatures. (Up
-# to version 3, fields were not all appended: signatures of version 1-2 prefills do not verify
-# at a version 3 or later decode.)
-FIELDS_SINCE: dict[tuple[str, ...], int] = {("sampling", "structured"): 4}
 
 
 def _mac(h: Handoff, key: bytes) -> str:
