@@ -6,11 +6,17 @@ requests against each arm, one arm up at a time:
 - vllm:   `vllm serve <tiny model>` (plain vLLM, one engine);
 - agg:    `mmhandoff serve graphs.agg:Frontend -f configs/agg.yaml`;
 - disagg: `mmhandoff serve graphs.disagg:Frontend -f configs/disagg.yaml`.
-Per arm: completed and failed requests, the client's output-token count against the server's
-own count (vLLM: `vllm:generation_tokens_total`; mmhandoff: `mmhandoff_completion_tokens_total`)
-and the expected requests x output length, request throughput and TTFT/TPOT p50.
+NVIDIA's AIPerf (`aiperf profile --endpoint-type chat --streaming`, a synthetic image per
+request) runs next against the same arm when it is installed (`--aiperf PATH`; it pins its own
+dependencies, so it lives in a venv of its own: `python -m venv .venv-aiperf &&
+.venv-aiperf/bin/pip install aiperf==0.13.0`).
+Per arm and client: completed and failed requests, the client's output-token count against the
+server's own count (vLLM: `vllm:generation_tokens_total`; mmhandoff:
+`mmhandoff_completion_tokens_total`) and the expected requests x output length, request
+throughput and TTFT p50; then each arm's ratios to plain vLLM.
 
-    .venv/bin/python benchmarks/clients.py [--requests 24] [--concurrency 4]
+    .venv/bin/python benchmarks/clients.py [--requests 24] [--concurrency 4] \
+        [--aiperf .venv-aiperf/bin/aiperf]
 """
 
 from __future__ import annotations
@@ -87,12 +93,36 @@ def bench(url: str, tokenizer: str, args, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def aiperf(binary: str, url: str, tokenizer: str, args, out: Path) -> dict:
+    """AIPerf's run against `url`: its summary numbers, in vllm bench serve's key names."""
+    cmd = [binary, "profile", "--url", url, "--model", MODEL, "--endpoint-type", "chat",
+           "--streaming", "--tokenizer", tokenizer, "--concurrency", str(args.concurrency),
+           "--request-count", str(args.requests), "--prompt-input-tokens-mean", "32",
+           "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean",
+           str(args.output_len), "--prompt-output-tokens-stddev", "0",
+           "--image-width-mean", "336", "--image-height-mean", "448", "--image-batch-size", "1",
+           "--extra-inputs", "ignore_eos:true", "--random-seed", "0",
+           "--output-artifact-dir", str(out), "--ui-type", "none"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if done.returncode != 0:
+        raise SystemExit(done.stdout[-2000:] + done.stderr[-2000:])
+    (summary,) = out.rglob("profile_export_aiperf.json")
+    m = json.loads(summary.read_text())
+    return {"completed": int(m["request_count"]["avg"]),
+            "failed": int((m.get("error_request_count") or {}).get("avg", 0)),
+            "total_output_tokens": int(m["output_token_count"]["avg"] * m["request_count"]["avg"]),
+            "request_throughput": m["request_throughput"]["avg"],
+            "median_ttft_ms": m["time_to_first_token"]["p50"]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default="vllm,agg,disagg")
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--aiperf", help="the aiperf command (a venv of its own); absent: skipped")
     args = p.parse_args(argv)
     from mmhandoff.models.tiny import ensure_tiny_model
 
@@ -100,6 +130,7 @@ def main(argv=None) -> int:
     print(f"# vllm bench serve, openai-chat, random-mm (one 336x448 image), {args.requests} "
           f"requests, {args.output_len} tokens each (ignore_eos), concurrency "
           f"{args.concurrency}", flush=True)
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="mmhandoff-clients-") as tmp:
         for arm in args.arms.split(","):
             p_ = port()
@@ -110,9 +141,15 @@ def main(argv=None) -> int:
                     _wait(url, proc)
                     counter = ("vllm:generation_tokens_total" if arm == "vllm"
                                else "mmhandoff_completion_tokens_total")
-                    before = _metric(url, counter)
-                    r = bench(url, model, args, Path(tmp) / f"{arm}.json")
-                    served = _metric(url, counter) - before
+                    runs = {"vllm bench serve": lambda: bench(
+                        url, model, args, Path(tmp) / f"{arm}.json")}
+                    if args.aiperf:
+                        runs["aiperf"] = lambda: aiperf(args.aiperf, url, model, args,
+                                                        Path(tmp) / f"aiperf-{arm}")
+                    results = {}
+                    for client, run in runs.items():
+                        before = _metric(url, counter)
+                        results[client] = run(), _metric(url, counter) - before
                 finally:
                     proc.send_signal(2)
                     try:
@@ -120,13 +157,23 @@ def main(argv=None) -> int:
                     except subprocess.TimeoutExpired:
                         os.killpg(proc.pid, 9)
                         proc.wait()
-            print(json.dumps({
-                "arm": arm, "completed": r["completed"], "failed": r.get("failed", 0),
-                "client_output_tokens": r["total_output_tokens"], "server_output_tokens": served,
-                "expected": args.requests * args.output_len,
-                "req_per_s": round(r["request_throughput"], 2),
-                "ttft_p50_ms": round(r["median_ttft_ms"], 1),
-                "tpot_p50_ms": round(r["median_tpot_ms"], 1)}), flush=True)
+            for client, (r, served) in results.items():
+                row = {"arm": arm, "client": client, "completed": r["completed"],
+                       "failed": r.get("failed", 0),
+                       "client_output_tokens": r["total_output_tokens"],
+                       "server_output_tokens": served,
+                       "expected": args.requests * args.output_len,
+                       "req_per_s": round(r["request_throughput"], 2),
+                       "ttft_p50_ms": round(r["median_ttft_ms"], 1)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    base = {r["client"]: r for r in rows if r["arm"] == "vllm"}
+    print("\n| arm | client | req/s ratio to vllm | TTFT p50 ratio to vllm |\n|---|---|---|---|")
+    for r in rows:
+        if r["arm"] != "vllm" and r["client"] in base:
+            b = base[r["client"]]
+            print(f"| {r['arm']} | {r['client']} | {r['req_per_s'] / b['req_per_s']:.2f} "
+                  f"| {r['ttft_p50_ms'] / b['ttft_p50_ms']:.2f} |")
     return 0
 
 

@@ -1,6 +1,8 @@
 """Handoff vs full-media decode, measured side by side in one run (tiny model, CPU or GPU).
 
     .venv/bin/python benchmarks/handoff_vs_full_media.py [--requests 8] [--quick]
+    # the M-RoPE path: the tiny Qwen2-VL (each image's grid travels in the handoff)
+    .venv/bin/python benchmarks/handoff_vs_full_media.py --model-shape tiny-qwen2-vl
     # on a GPU (docs/gpu.md): a LLaVA-1.5-7B-shaped model with random weights
     python benchmarks/handoff_vs_full_media.py --model-shape llava-1.5-7b --concurrency 1,8 \
         --skip-overhead
@@ -68,8 +70,8 @@ async def measure(args, mem, engines: dict) -> None:
     from mmhandoff.vllm_adapter.inputs import sampling_params
     from mmhandoff.wire.messages import FullMediaRequest, PrefillRequest, user
 
-    if args.model_shape == "tiny":
-        model = str(ensure_tiny_model())
+    if args.model_shape in ("tiny", "tiny-qwen2-vl"):
+        model = str(ensure_tiny_model(arch="llava" if args.model_shape == "tiny" else "qwen2_vl"))
         common = dict(model=model, dtype="float32")
         cores = {"prefill": "0", "decode": "1", "full-media decode": "1", "no connector": "1"}
     else:  # a real-size shape with random weights; GPU: each engine gets a share of it
@@ -245,9 +247,11 @@ if __name__ == "__main__":
     parser.add_argument("--verbose", action="store_true", help="a line per request phase")
     parser.add_argument("--skip-overhead", action="store_true",
                         help="skip the NixlConnector overhead section (CPU-specific)")
-    parser.add_argument("--model-shape", default="tiny", choices=("tiny", "llava-1.5-7b"),
-                        help="tiny: the built-in random model; else a real-size shape with "
-                             "random weights (mmhandoff.models.dummy; for GPUs)")
+    parser.add_argument("--model-shape", default="tiny",
+                        choices=("tiny", "tiny-qwen2-vl", "llava-1.5-7b"),
+                        help="tiny: the built-in random LLaVA; tiny-qwen2-vl: the built-in "
+                             "random Qwen2-VL (M-RoPE); else a real-size shape with random "
+                             "weights (mmhandoff.models.dummy; for GPUs)")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 4], help="comma-separated, e.g. 1,8")
     parser.add_argument("--block-size", type=int, default=32)

@@ -39,7 +39,8 @@ else
 fi
 "$VENV/bin/python" -c "import vllm, nixl, dynamo.runtime, torchvision" 2>/dev/null \
   || { log "set-up check failed: vllm, nixl, dynamo.runtime or torchvision does not import"; exit 1; }
-log "building the tiny test model (cached)"
+log "building the tiny test models (cached)"
 "$VENV/bin/mmhandoff" make-tiny-model >/dev/null
+"$VENV/bin/mmhandoff" make-tiny-model --arch qwen2_vl >/dev/null
 touch "$STAMP"
 log "done"

@@ -17,11 +17,15 @@ from mmhandoff.wire.handoff import (
     FeatureMismatch,
     Features,
     FingerprintMismatch,
+    Grid,
     Handoff,
     HandoffError,
     KVRequired,
     MalformedHandoff,
     PayloadPresent,
+    PositionStateMismatch,
+    PositionStateMissing,
+    PositionStateUnexpected,
     Replayed,
     ReplayGuard,
     Sampling,
@@ -55,11 +59,16 @@ def handoffs(draw):
         pos += length
     n_tokens = pos + draw(st.integers(1, 20))
     hashes = [draw(st.text(min_size=1, max_size=64)) for _ in range(n_images)]
+    grids = None  # or, as an M-RoPE model with a 2x2 merge has them, one grid an image:
+    if draw(st.booleans()):
+        rows = [draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0])) for n in lengths]
+        grids = [Grid(t=1, h=2 * r, w=2 * n // r) for r, n in zip(rows, lengths)]
     return Handoff(
         v=VERSION, request_id=draw(st.text(min_size=1, max_size=20)), model_fingerprint=FP,
         token_ids=draw(st.lists(st.integers(0, 2**31 - 1), min_size=n_tokens, max_size=n_tokens)),
         features=Features(mm_hashes={"image": hashes} if n_images else {},
-                          mm_placeholders={"image": spans} if n_images else {}),
+                          mm_placeholders={"image": spans} if n_images else {},
+                          mm_grids=None if grids is None else {"image": grids} if n_images else {}),
         requires_kv=True,
         kv_transfer_params=draw(st.dictionaries(st.text(max_size=8), st.integers(-2**63, 2**63 - 1), max_size=3)),
         sampling=Sampling(max_tokens=draw(st.integers(1, 4096)),
@@ -72,7 +81,7 @@ def handoffs(draw):
 @given(handoffs())
 def test_round_trip_is_lossless(h):
     assert decode_handoff(encode_handoff(h)) == h
-    check_admission(h, fingerprint=FP)
+    check_admission(h, fingerprint=FP, grid_merge=None if h.features.mm_grids is None else 2)
 
 
 @settings(max_examples=300, deadline=None)
@@ -136,6 +145,17 @@ def _wire(d: dict) -> bytes:
     (lambda d: d["features"].update(pixel_values=[[0.1]]), PayloadPresent),
     (lambda d: d["features"].update(whatever=[1]), PayloadPresent),
     (lambda d: d["features"]["mm_hashes"].update(image=[""]), EmptyHash),
+    # the position state (v5): one grid per item, positive sizes, nothing else in a grid
+    (lambda d: d["features"].update(mm_grids={"image": []}), PositionStateMismatch),
+    (lambda d: d["features"].update(mm_grids={"image": [{"t": 1, "h": 0, "w": 4}]}),
+     PositionStateMismatch),
+    (lambda d: d["features"].update(mm_grids={"video": [{"t": 1, "h": 2, "w": 2}]}),
+     PositionStateMismatch),
+    (lambda d: d["features"].update(mm_grids={"image": [{"t": 1, "h": 4, "w": 4,
+                                                         "pixel_values": [0.5]}]}), PayloadPresent),
+    (lambda d: d["features"].update(mm_grids={"image": [{"t": 1, "h": 4}]}), MalformedHandoff),
+    (lambda d: d.update(v=4, features=dict(d["features"], mm_grids={"image": [
+        {"t": 1, "h": 4, "w": 4}]})), MalformedHandoff),
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(offset=8), SpanOutOfRange),
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(offset=-1), SpanOutOfRange),
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(length=0), SpanOutOfRange),
@@ -199,6 +219,29 @@ def test_admission_rules():
         check_admission(_good(), fingerprint="0" * 64)
     with pytest.raises(KVRequired):
         check_admission(_good(requires_kv=False), fingerprint=FP)
+
+
+def test_position_state_admission():
+    """Grids exactly for a model whose positions need them (Qwen2-VL: spatial merge 2), each
+    one frame whose merged size is its image's placeholder length (4 tokens here)."""
+    with_grid = lambda *g: _good(features=Features(  # noqa: E731
+        mm_hashes={"image": ["abc"]}, mm_placeholders={"image": [Span(offset=2, length=4)]},
+        mm_grids={"image": [Grid(t=g[0], h=g[1], w=g[2])]}))
+    check_admission(with_grid(1, 4, 4), fingerprint=FP, grid_merge=2)
+    check_admission(with_grid(1, 2, 8), fingerprint=FP, grid_merge=2)  # another shape, 4 tokens
+    check_admission(_good(features=Features(mm_hashes={}, mm_placeholders={})), fingerprint=FP,
+                    grid_merge=2)  # text only: nothing to carry
+    with pytest.raises(PositionStateMissing):
+        check_admission(_good(), fingerprint=FP, grid_merge=2)
+    with pytest.raises(PositionStateUnexpected):
+        check_admission(with_grid(1, 4, 4), fingerprint=FP)
+    for grid in ((1, 4, 2), (1, 6, 4), (2, 4, 4), (1, 3, 4), (1, 4, 5)):
+        with pytest.raises(PositionStateMismatch):
+            check_admission(with_grid(*grid), fingerprint=FP, grid_merge=2)
+    with pytest.raises(DigestMismatch):  # a grid changed after prefill signed it
+        signed = sign(with_grid(1, 4, 4), KEY, ttl_s=60)
+        check_admission(msgspec.structs.replace(signed, features=with_grid(1, 2, 8).features),
+                        fingerprint=FP, keys=[KEY], grid_merge=2)
 
 
 KEY, OLD_KEY = b"k" * 32, b"o" * 32
@@ -305,6 +348,7 @@ def test_a_version_3_prefills_signature_verifies_at_this_decode():
               expires_at=time.time() + 30)
     old = msgspec.to_builtins(h, builtin_types=(bytes,))  # its digest still None
     old["sampling"] = msgspec.to_builtins(_SamplingV3(max_tokens=8, min_p=0.1, stop=["x"]))
+    del old["features"]["mm_grids"]  # added by version 5
     old["digest"] = hmac.new(key, msgspec.msgpack.encode(old), hashlib.sha256).hexdigest()
     got = decode_handoff(msgspec.msgpack.encode(old))
     check_admission(got, fingerprint=FP, keys=[key])  # verifies

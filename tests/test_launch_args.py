@@ -83,3 +83,19 @@ def test_an_engine_argument_that_is_not_name_value_is_refused(capsys, bad):
     with pytest.raises(SystemExit):
         parser("decode").parse_args(["--engine-arg", bad])
     assert "expected NAME=VALUE" in capsys.readouterr().err
+
+
+def test_a_built_in_tiny_model_is_named_and_a_folder_of_that_name_wins(monkeypatch, tmp_path):
+    import mmhandoff.models.tiny as tiny
+    from mmhandoff.serving.launch import model_folder
+
+    built = []
+    monkeypatch.setattr(tiny, "ensure_tiny_model",
+                        lambda path=None, arch="llava": built.append(arch) or f"/cache/{arch}")
+    assert model_folder(None) == "/cache/llava"
+    assert model_folder("tiny-qwen2-vl") == "/cache/qwen2_vl"
+    assert model_folder("/models/Qwen2-VL-2B") == "/models/Qwen2-VL-2B"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-qwen2-vl").mkdir()
+    assert model_folder("tiny-qwen2-vl") == "tiny-qwen2-vl"
+    assert built == ["llava", "qwen2_vl"]

@@ -14,3 +14,21 @@ def test_build_is_byte_identical(tmp_path):
     assert tree_digest(a) == tree_digest(b)
     assert (a / "model.safetensors").stat().st_size > 100_000
     assert IMAGE_TOKENS == 64
+
+
+def test_the_qwen2_vl_build_is_byte_identical(tmp_path):
+    from mmhandoff.models.tiny import builder
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        folder.mkdir()
+        builder("qwen2_vl")(folder)
+    assert tree_digest(a) == tree_digest(b)
+    assert not any("transformers_version" in p.read_text() for p in a.glob("*.json"))
+
+
+def test_an_unknown_architecture_is_named():
+    from mmhandoff.models.tiny import ensure_tiny_model
+
+    with pytest.raises(ValueError, match="unknown tiny model architecture 'gemma'.*llava"):
+        ensure_tiny_model(arch="gemma")

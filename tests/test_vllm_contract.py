@@ -311,3 +311,35 @@ def test_what_the_vllm_engine_reads_of_vllm(engines):
         f.name for f in dataclasses.fields(CompletionOutput)}
     assert engines.decode.capabilities == Capabilities(vision=False)
     assert engines.prefill.capabilities == engines.full.capabilities == Capabilities()
+
+
+def test_what_the_grid_position_state_uses_of_vllm():
+    """mmhandoff.vllm_adapter.positions: decode's engine computes an M-RoPE model's positions
+    from a data-less feature that holds only the image's grid."""
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
+    from vllm.multimodal.inputs import MultiModalFieldElem
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from mmhandoff.vllm_adapter.positions import GRID_KEY, grid_feature_data
+    from mmhandoff.wire.handoff import Grid
+
+    for model in (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration):
+        grids = inspect.getsource(model.iter_mm_grid_thw)
+        # the image branch reads the grid field of the feature's data, and nothing else of it
+        image_branch = grids.split('== "image"')[1].split('== "video"')[0]
+        assert f'data["{GRID_KEY}"]' in image_branch
+        assert image_branch.count("data[") == 1
+        assert "self.iter_mm_grid_thw(mm_features)" in inspect.getsource(
+            model.get_mrope_input_positions)
+    runner = inspect.getsource(GPUModelRunner._init_mrope_positions)
+    assert "req_state.mm_features" in runner and "get_mrope_input_positions(" in runner
+    # once an image's span is covered by KV, workers get only its keep_on_cpu fields
+    from vllm.multimodal import utils as mm_utils
+
+    strip = inspect.getsource(mm_utils.strip_covered_mm_data)
+    assert "uses_mrope" in strip and "keep_on_cpu" in strip
+    assert {"data", "field"} <= set(_params(MultiModalFieldElem))
+    item = grid_feature_data(Grid(t=1, h=4, w=6))
+    assert set(item) == {GRID_KEY} and item[GRID_KEY].data.tolist() == [1, 4, 6]
+    assert item[GRID_KEY].field.keep_on_cpu

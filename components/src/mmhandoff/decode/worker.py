@@ -1,5 +1,7 @@
 """Decode worker: admits a Handoff, pulls its KV through NIXL, streams tokens. Never sees media.
 With prefill's first token in the handoff (v2) it streams the answer from the second token on.
+For an M-RoPE model (Qwen2-VL) the handoff carries each image's grid (v5), from which the engine
+computes positions.
 
 Admission (mmhandoff.wire.handoff) refuses bad messages before the engine sees them. The engine's
 fail-closed scheduler refuses to compute any image position; when it does, or when the KV load
@@ -43,9 +45,10 @@ class DecodeWorker:
     def __init__(self, engine: Engine, *, kv_deadline_s: float | None = 30.0,
                  keys: Sequence[bytes] = ()) -> None:
         """`keys`: take only handoffs signed with one of them (several during a rotation)."""
-        if engine.capabilities.mrope:
-            raise UnsupportedModel("M-RoPE models derive positions from the media; a KV-only "
-                                   "decode cannot rebuild them (a later handoff version will)")
+        if engine.capabilities.mrope and engine.capabilities.grid_merge is None:
+            raise UnsupportedModel("this M-RoPE model's positions need more of the media than "
+                                   "each image's grid, which is all a handoff carries "
+                                   "(Qwen2-VL and Qwen2.5-VL are served)")
         if engine.capabilities.encoder_decoder:
             raise UnsupportedModel("encoder-decoder models need the encoder output on decode")
         self.engine = engine
@@ -57,7 +60,8 @@ class DecodeWorker:
         """Decode (if bytes) and check a handoff; raise a HandoffError if it is refused."""
         wire = encode_handoff(message) if isinstance(message, Handoff) else bytes(message)
         handoff = decode_handoff(wire)  # a Handoff object gets the same checks as bytes
-        check_admission(handoff, fingerprint=self.engine.fingerprint, keys=self.keys)
+        check_admission(handoff, fingerprint=self.engine.fingerprint, keys=self.keys,
+                        grid_merge=self.engine.capabilities.grid_merge)
         self.replays.admit(handoff)  # last: a refused message does not use up its nonce
         return handoff, len(wire)
 

@@ -43,7 +43,10 @@ class EngineInputError(ValueError):
 class Capabilities:
     """What a KV-only decode depends on."""
 
-    mrope: bool = False  # positions derive from each image's grid (Qwen-VL): not in a handoff
+    mrope: bool = False  # positions are M-RoPE's (Qwen-VL)
+    # M-RoPE from each image's grid alone (Qwen2-VL, Qwen2.5-VL): the handoff carries the grids;
+    # the rows (and columns) of patches merged into one token. None: no such position state.
+    grid_merge: int | None = None
     encoder_decoder: bool = False  # decode would need the encoder's output
     vision: bool = True  # the engine built its vision tower (a KV-only decode engine has none)
 

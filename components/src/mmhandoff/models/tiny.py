@@ -7,7 +7,8 @@ weights are random (fixed seed): outputs are gibberish but deterministic, which 
 tests need.
 
 `ensure_tiny_model()` builds once into a cache folder (atomically: a half-built folder is never
-used) and returns its path.
+used) and returns its path; `ensure_tiny_model(arch="qwen2_vl")` does the same for the tiny
+Qwen2-VL-layout model (mmhandoff.models.tiny_qwen2_vl).
 """
 
 from __future__ import annotations
@@ -47,22 +48,42 @@ _CORPUS = [
 ]
 
 
-def default_cache_dir() -> Path:
+ARCHES = ("llava", "qwen2_vl")
+
+
+def default_cache_dir(arch: str = "llava") -> Path:
     root = os.environ.get("MMHANDOFF_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mmhandoff"
     )
+    if arch == "qwen2_vl":
+        from mmhandoff.models.tiny_qwen2_vl import BUILD_VERSION as version
+
+        return Path(root) / f"tiny-qwen2-vl-v{version}"
     return Path(root) / f"tiny-llava-v{BUILD_VERSION}"
 
 
-def ensure_tiny_model(path: str | os.PathLike | None = None) -> Path:
-    """Return a folder holding the tiny model, building it there first if it is missing."""
-    target = Path(path) if path is not None else default_cache_dir()
+def builder(arch: str):
+    """The function that writes `arch`'s tiny model into a folder."""
+    if arch == "llava":
+        return build_tiny_model
+    if arch == "qwen2_vl":
+        from mmhandoff.models.tiny_qwen2_vl import build_tiny_qwen2_vl
+
+        return build_tiny_qwen2_vl
+    raise ValueError(f"unknown tiny model architecture {arch!r}; known: {', '.join(ARCHES)}")
+
+
+def ensure_tiny_model(path: str | os.PathLike | None = None, arch: str = "llava") -> Path:
+    """Return a folder holding the tiny model of `arch`, building it there first if it is
+    missing."""
+    build = builder(arch)
+    target = Path(path) if path is not None else default_cache_dir(arch)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        build_tiny_model(staging)
+        build(staging)
         try:
             staging.rename(target)
         except OSError:
@@ -151,11 +172,20 @@ def _legacy_key(key: str) -> str:
 
 
 def _build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe(["<unk>", "<s>", "</s>", "<pad>", "<image>"], unk="<unk>"),
+        unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=["<image>"],
+    )
+
+
+def train_bpe(specials: list[str], unk: str | None = None):
+    """A byte-level BPE tokenizer of VOCAB_SIZE trained on the fixed corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE(unk_token=unk))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -163,15 +193,13 @@ def _build_tokenizer():
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        pad_token="<pad>", additional_special_tokens=["<image>"],
-    )
+    return bpe
 
 
-def _drop_volatile_fields(out: Path) -> None:
+def _drop_volatile_fields(out: Path, names: tuple[str, ...] = (
+        "config.json", "tokenizer_config.json", "preprocessor_config.json")) -> None:
     """Remove the library version stamps so the files depend only on this module."""
-    for name in ("config.json", "tokenizer_config.json", "preprocessor_config.json"):
+    for name in names:
         path = out / name
         if path.exists():
             data = json.loads(path.read_text())

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mmhandoff.models.tiny import ARCHES
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmhandoff", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-tiny-model", help="build (or find) the tiny random-weight VLM")
     make.add_argument("dir", nargs="?", help="target folder (default: the cache folder)")
+    make.add_argument("--arch", default="llava", choices=ARCHES,
+                      help="llava: LLaVA-1.5 layout (default); qwen2_vl: M-RoPE positions")
     srv = sub.add_parser("serve", help="run a graph on this host: graphs.<graph>:<Component>")
     srv.add_argument("target", help="e.g. graphs.disagg:Frontend")
     srv.add_argument("-f", "--config", required=True, help="the graph's YAML, e.g. configs/disagg.yaml")
@@ -29,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "make-tiny-model":
         from mmhandoff.models.tiny import ensure_tiny_model, tree_digest
 
-        path = ensure_tiny_model(args.dir)
+        path = ensure_tiny_model(args.dir, arch=args.arch)
         print(f"{path}  sha256:{tree_digest(path)[:16]}")
         return 0
     return 2

@@ -26,7 +26,8 @@ from mmhandoff.serving.addresses import default_host
 
 def parser(role: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m mmhandoff.{role}")
-    p.add_argument("--model", help="model folder (default: the tiny test model, built if missing)")
+    p.add_argument("--model", help="model folder, or a built-in tiny model: tiny-llava (the "
+                   "default) or tiny-qwen2-vl (built if missing)")
     p.add_argument("--namespace", default="mmhandoff")
     p.add_argument("--cpu-cores", help='CPU machines: cores for the engine, e.g. "0" or "0-1"')
     p.add_argument("--nixl-port", type=int, help="NIXL side-channel port of this engine")
@@ -104,12 +105,24 @@ def _ip(value: str) -> str:
         raise argparse.ArgumentTypeError(f"not an IP address: {value!r}") from None
 
 
+# Built-in tiny models by name (mmhandoff.models): a folder of that name, if any, comes first.
+TINY_MODELS = {"tiny-llava": "llava", "tiny-qwen2-vl": "qwen2_vl"}
+
+
+def model_folder(model: str | None) -> str:
+    """The folder `--model` names: a folder, or a built-in tiny model (built if missing)."""
+    from mmhandoff.models.tiny import ensure_tiny_model
+
+    if model is not None and (model not in TINY_MODELS or Path(model).exists()):
+        return model
+    return str(ensure_tiny_model(arch=TINY_MODELS[model or "tiny-llava"]))
+
+
 def engine_spec(args: argparse.Namespace, role: str, kv_events_endpoint: str | None = None):
     """The EngineSpec a component's command line asks for."""
-    from mmhandoff.models.tiny import ensure_tiny_model
     from mmhandoff.vllm_adapter import EngineSpec
 
-    return EngineSpec(model=args.model or str(ensure_tiny_model()), role=role,
+    return EngineSpec(model=model_folder(args.model), role=role,
                       cpu_cores=args.cpu_cores, nixl_port=args.nixl_port,
                       nixl_host=args.nixl_host, kv_lease_s=args.kv_lease_s,
                       kv_events_endpoint=kv_events_endpoint, extra=dict(args.engine_arg))

@@ -4,8 +4,8 @@ Roles:
 - "agg": the whole VLM, no KV transfer (the baseline, and the parity reference).
 - "prefill": the whole VLM; NixlConnector as KV producer (prefill answers with
   `kv_transfer_params` that name its blocks, and holds them until pulled or the lease ends).
-- "decode": NixlConnector as KV consumer; no vision tower (`limit_mm_per_prompt` image 0 makes
-  vLLM skip building it), no receiver cache, the fail-closed scheduler, KV load failures fail.
+- "decode": NixlConnector as KV consumer; no vision tower (no media input makes vLLM skip
+  building it), no receiver cache, the fail-closed scheduler, KV load failures fail.
 - "full_media_decode": a KV consumer with the whole VLM, for the benchmark arm where decode
   receives the images again (what P/D stacks do today).
 
@@ -129,7 +129,7 @@ def engine_args(spec: EngineSpec):
             connector["kv_buffer_device"] = spec.kv_buffer_device or "cpu"
         kw["kv_transfer_config"] = KVTransferConfig(**connector)
     if spec.role == "decode":
-        kw["limit_mm_per_prompt"] = {"image": 0}
+        kw.update(_no_vision_tower())
         kw["mm_processor_cache_gb"] = 0
         kw["scheduler_cls"] = FAIL_CLOSED_SCHEDULER
     elif spec.role == "full_media_decode":  # reports what it pulled, as decode does
@@ -141,6 +141,19 @@ def engine_args(spec: EngineSpec):
         )
     kw.update(spec.extra)
     return AsyncEngineArgs(**kw)
+
+
+def _no_vision_tower() -> dict[str, Any]:
+    """Engine arguments under which vLLM builds none of the model's media encoders: no media
+    input at all (vLLM 0.31's `language_model_only`; Qwen2-VL has a video modality beside the
+    image one, sharing the tower). vLLM 0.26 (the lent GPU) lacks it: images only, as before."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    if "language_model_only" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:
+        return {"language_model_only": True}
+    return {"limit_mm_per_prompt": {"image": 0}}
 
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:

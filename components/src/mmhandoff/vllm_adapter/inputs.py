@@ -6,7 +6,7 @@ content hash.
 
 Decode: a metadata-only request. vLLM's input processor builds and validates the token-only
 request (sampling defaults, eos, vocabulary range); the image features are then attached with no
-data. This path skips the processor's encoder-capacity check on purpose: the decode engine has no
+data (for an M-RoPE model: with the image's grid alone, from which vLLM computes positions). This path skips the processor's encoder-capacity check on purpose: the decode engine has no
 encoder, and a KV-only item never reaches one (the fail-closed scheduler guarantees it).
 """
 
@@ -22,6 +22,7 @@ from vllm.sampling_params import StructuredOutputsParams
 from vllm.inputs import tokens_input
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
+from mmhandoff.vllm_adapter.positions import grid_feature_data
 from mmhandoff.vllm_adapter.scheduler import KV_COVERAGE_STOP_REASON, KV_STATS_KEY
 from mmhandoff.wire.handoff import Features, Handoff, Sampling, Span
 
@@ -126,11 +127,12 @@ def kv_only_request(engine, h: Handoff, request_id: str, supported_tasks: tuple)
         request_id, prompt, params, supported_tasks=supported_tasks)
     request.mm_features = [
         MultiModalFeatureSpec(
-            data=None, modality=modality, identifier=digest, mm_hash=digest,
+            data=None if grid is None else grid_feature_data(grid), modality=modality,
+            identifier=digest, mm_hash=digest,
             mm_position=PlaceholderRange(offset=span.offset, length=span.length,
                                          is_embed=_mask(span.is_embed)),
         )
-        for modality, digest, span in h.items()
+        for modality, digest, span, grid in h.items_with_grids()
     ]
     return request
 

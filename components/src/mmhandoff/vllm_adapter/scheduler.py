@@ -1,6 +1,7 @@
 """The decode engine's fail-closed scheduler (loaded by vLLM through `scheduler_cls`).
 
-A KV-only request carries image features without data: its image spans can only come from KV
+A KV-only request carries image features without media (no data; an M-RoPE model's: the
+image's grid alone): its image spans can only come from KV
 (pulled from prefill, or already in the local prefix cache). Whenever vLLM would compute a token
 of such a request below the end of its last image span (first schedule with nothing loaded, after
 preemption dropped its blocks, after a failed or partial KV load), this scheduler ends the request
@@ -23,6 +24,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
+from mmhandoff.vllm_adapter.positions import is_kv_only
+
 # The decode worker recognises errors from this scheduler by this prefix of `stop_reason`.
 KV_COVERAGE_STOP_REASON = "mmhandoff.kv_coverage:"
 # Key in the final output's kv_transfer_params under which the scheduler reports where a KV-only
@@ -34,7 +37,7 @@ def kv_required_until(request: Request) -> int:
     """One past the last prompt position that must come from KV (0: nothing must)."""
     return max(
         (f.mm_position.offset + f.mm_position.length for f in request.mm_features or ()
-         if f.data is None),
+         if is_kv_only(f)),
         default=0,
     )
 

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Sequence
 from mmhandoff.engine import Capabilities, EngineInputError, Rendered, Step
 from mmhandoff.media.images import LoadedImage
 from mmhandoff.vllm_adapter.logprobs import token_logprobs
+from mmhandoff.vllm_adapter.positions import GridMemo, grid_merge, rendered_grids
 from mmhandoff.vllm_adapter.inputs import (
     forget_sent,
     kv_coverage_cause,
@@ -62,7 +63,11 @@ class VllmEngine:
         mm = mc.multimodal_config
         self.capabilities = Capabilities(
             mrope=bool(mc.uses_mrope), encoder_decoder=bool(mc.is_encoder_decoder),
-            vision=mm is not None and mm.get_limit_per_prompt("image") > 0)
+            vision=mm is not None and mm.get_limit_per_prompt("image") > 0,
+            grid_merge=grid_merge(mc))
+        # prefill of an M-RoPE model: each rendered image's grid, for the handoff
+        self._grids = GridMemo() if self.capabilities.grid_merge and self.capabilities.vision \
+            else None
         self.fingerprint = model_fingerprint(llm)
         self._tokenizer = llm.renderer.get_tokenizer()
         self._tasks: tuple | None = None  # vLLM's supported tasks: an engine RPC, asked once
@@ -76,8 +81,20 @@ class VllmEngine:
     async def render(self, prompt: str, images: Sequence[LoadedImage]) -> Rendered:
         identifiers = [i.content_hash for i in images]
         fresh = not_yet_sent(self.llm, identifiers)
+        pixels = [i.image for i in images]
         try:
-            r = await render_prompt(self.llm, prompt, [i.image for i in images], identifiers)
+            r = await render_prompt(self.llm, prompt, pixels, identifiers)
+            if self._grids is not None:
+                grids = self._grids.resolve(identifiers, rendered_grids(r.engine_input))
+                if None in grids:  # sent by hash alone and no longer in the memo: render anew
+                    again = tuple(d for d, g in zip(identifiers, grids) if g is None)
+                    forget_sent(self.llm, again)
+                    fresh = tuple(dict.fromkeys((*fresh, *again)))  # sent with data once more
+                    r = await render_prompt(self.llm, prompt, pixels, identifiers)
+                    grids = self._grids.resolve(identifiers, rendered_grids(r.engine_input))
+                if None in grids:
+                    raise RuntimeError("vLLM rendered an image without its grid")
+                r.features.mm_grids = {"image": grids} if grids else {}
         except self._refused as e:
             raise EngineInputError(str(e)) from None
         return Rendered(r.token_ids, r.features, r.engine_input, first_sent=fresh)

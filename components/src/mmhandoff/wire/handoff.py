@@ -29,11 +29,11 @@ import msgspec
 
 # 2: `first_token`, prefill's sampled token, which the client already has; decode continues
 # after it. 3: sampling's `min_p`, penalties, `min_tokens` and stop strings (SAMPLING_V3).
-# 4: sampling's `structured` (structured outputs).
+# 4: sampling's `structured` (structured outputs). 5: features' `mm_grids` (M-RoPE position state).
 # Older versions (1: no first token, decode samples it) stay readable, so a decode tier upgraded
 # first keeps taking an older prefill's handoffs; an older decode refuses a newer one by version.
-VERSION = 4
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, VERSION})
+VERSION = 5
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, VERSION})
 
 
 # ---- errors: one type per admission rule -------------------------------------------------------
@@ -101,6 +101,25 @@ class Replayed(HandoffError):
     code = "replayed"
 
 
+class PositionStateMissing(HandoffError):
+    """The model derives positions from each image's grid and the handoff carries none."""
+
+    code = "position_state_missing"
+
+
+class PositionStateUnexpected(HandoffError):
+    """Grids for a model whose positions do not depend on them."""
+
+    code = "position_state_unexpected"
+
+
+class PositionStateMismatch(HandoffError):
+    """A grid that does not fit its item: another item count, a non-positive or multi-frame
+    grid, or one whose merged size is not the item's placeholder length."""
+
+    code = "position_state_mismatch"
+
+
 class KVMismatch(HandoffError):
     """The KV blocks the handoff names do not match its token ids (checked by the engine
     adapter, which knows the block size and the connector's parameters)."""
@@ -122,12 +141,25 @@ class Span(_Strict, frozen=True):
     is_embed: list[bool] | None = None
 
 
+class Grid(_Strict, frozen=True):
+    """One image's grid of vision patches as its processor computed it (frames, rows, columns
+    before the spatial merge: vLLM's `image_grid_thw`). Three integers, not media: an M-RoPE
+    model (Qwen2-VL, Qwen2.5-VL) derives from them the positions of the image's tokens and so
+    of every token after it."""
+
+    t: int
+    h: int
+    w: int
+
+
 class Features(_Strict):
-    """Per modality, in prompt order: one content hash and one span per item. Nothing else:
-    any other field (pixels, tensors, embeddings) is a payload and is refused."""
+    """Per modality, in prompt order: one content hash and one span per item, and for models
+    whose positions derive from each image's grid, one grid per item. Nothing else: any other
+    field (pixels, tensors, embeddings) is a payload and is refused."""
 
     mm_hashes: dict[str, list[str]]
     mm_placeholders: dict[str, list[Span]]
+    mm_grids: dict[str, list[Grid]] | None = None  # (v5) the position state; None: not needed
 
 
 class Structured(_Strict):
@@ -193,7 +225,8 @@ _DEFAULT_SAMPLING = Sampling()
 # tier upgraded first keeps verifying an older prefill's signatures. (Up to version 3, fields
 # were not all appended: signatures of version 1-2 prefills do not verify at a version 3 or
 # later decode.)
-FIELDS_SINCE: dict[tuple[str, ...], int] = {("sampling", "structured"): 4}
+FIELDS_SINCE: dict[tuple[str, ...], int] = {("sampling", "structured"): 4,
+                                             ("features", "mm_grids"): 5}
 
 
 class Handoff(_Strict):
@@ -225,10 +258,16 @@ class Handoff(_Strict):
 
     def items(self) -> list[tuple[str, str, Span]]:
         """(modality, hash, span) for every item, sorted by position in the prompt."""
+        return [item[:3] for item in self.items_with_grids()]
+
+    def items_with_grids(self) -> list[tuple[str, str, Span, Grid | None]]:
+        """(modality, hash, span, grid or None) for every item, sorted by position."""
         out = []
+        grids = self.features.mm_grids or {}
         for modality, hashes in self.features.mm_hashes.items():
             spans = self.features.mm_placeholders.get(modality, [])
-            out.extend((modality, h, s) for h, s in zip(hashes, spans))
+            own = grids.get(modality) or [None] * len(hashes)
+            out.extend(zip([modality] * len(hashes), hashes, spans, own))
         return sorted(out, key=lambda item: item[2].offset)
 
 
@@ -271,7 +310,7 @@ def decode_handoff(data: bytes) -> Handoff:
         ):
             raise PayloadPresent(f"the handoff must carry no media payload: {msg}") from None
         if "unknown field" in msg and "$.features" in msg:
-            raise PayloadPresent(f"features may hold only hashes and placeholders: {msg}") from None
+            raise PayloadPresent(f"features may hold only hashes, placeholders and grids: {msg}") from None
         raise MalformedHandoff(msg) from None
     except msgspec.DecodeError as e:
         raise MalformedHandoff(f"not a handoff message: {e}") from None
@@ -296,6 +335,12 @@ def check_structure(h: Handoff) -> None:
         if len(hashes[modality]) != len(spans[modality]):
             raise FeatureMismatch(
                 f"{modality}: {len(hashes[modality])} hashes but {len(spans[modality])} spans")
+    for modality, grids in (h.features.mm_grids or {}).items():
+        if len(grids) != len(hashes.get(modality, ())):
+            raise PositionStateMismatch(
+                f"{modality}: {len(grids)} grids for {len(hashes.get(modality, ()))} items")
+        if any(min(g.t, g.h, g.w) < 1 for g in grids):
+            raise PositionStateMismatch(f"{modality}: a grid with a size below 1")
     end_prev = 0
     for modality, digest, span in h.items():
         if not digest:
@@ -348,10 +393,13 @@ def check_structure(h: Handoff) -> None:
 
 
 def check_admission(h: Handoff, *, fingerprint: str, keys: Sequence[bytes] = (),
-                    now: float | None = None) -> None:
-    """The decode-side rules that need the engine's context: its model fingerprint, and the keys
+                    now: float | None = None, grid_merge: int | None = None) -> None:
+    """The decode-side rules that need the engine's context: its model fingerprint, the keys
     a handoff may be signed with (several during a key rotation; none: unsigned handoffs are
-    taken, and a digest, if any, is checked as a checksum)."""
+    taken, and a digest, if any, is checked as a checksum), and whether its model derives
+    positions from each image's grid (`grid_merge`: the spatial merge, rows x columns of patches
+    per token; None: no position state)."""
+    check_position_state(h, grid_merge)
     if h.sampling.prompt_logprobs is not None:
         raise UnsupportedRequest("prompt logprobs need the prompt computed; decode does not")
     if h.features.mm_hashes and not h.requires_kv:
@@ -371,6 +419,32 @@ def check_admission(h: Handoff, *, fingerprint: str, keys: Sequence[bytes] = (),
             raise Expired("handoff expired before decode got it")
     elif h.digest is not None and not hmac.compare_digest(h.digest, _mac(h, b"")):
         raise DigestMismatch("handoff checksum does not verify")
+
+
+def check_position_state(h: Handoff, grid_merge: int | None) -> None:
+    """Grids exactly for a model that needs them, one per image, each one frame whose merged
+    size is its image's placeholder length (vLLM's M-RoPE code asserts one frame: a grid with
+    more would stop the engine, not fail the request)."""
+    grids = {m: g for m, g in (h.features.mm_grids or {}).items() if g}
+    if grid_merge is None:
+        if grids:
+            raise PositionStateUnexpected("the handoff carries image grids; this model's "
+                                          "positions do not depend on them")
+        return
+    for modality, digest, span, grid in h.items_with_grids():
+        if grid is None:
+            raise PositionStateMissing(f"this model derives positions from each image's grid; "
+                                       f"the handoff has none for {modality} {digest[:16]}")
+        if modality != "image" or grid.t != 1:
+            raise PositionStateMismatch(f"{modality} grid {grid.t}x{grid.h}x{grid.w}: only "
+                                        "images of one frame are taken")
+        if grid.h % grid_merge or grid.w % grid_merge:
+            raise PositionStateMismatch(f"image grid {grid.h}x{grid.w} is not a multiple of the "
+                                        f"model's {grid_merge}x{grid_merge} merge")
+        tokens = grid.t * grid.h * grid.w // grid_merge ** 2
+        if tokens != span.length:
+            raise PositionStateMismatch(f"image grid {grid.t}x{grid.h}x{grid.w} makes {tokens} "
+                                        f"tokens; its placeholder has {span.length}")
 
 
 def sign(h: Handoff, key: bytes = b"", *, ttl_s: float | None = None,

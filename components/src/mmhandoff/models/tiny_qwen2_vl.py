@@ -1,0 +1,95 @@
+"""A tiny random-weight Qwen2-VL-layout model: M-RoPE positions from each image's grid.
+
+Beside the LLaVA one (mmhandoff.models.tiny), for the position-state channel of the handoff:
+a 2-block Qwen2-VL vision tower (patch 14, 2x2 merge), a 2-layer Qwen2 text model (hidden 128,
+head dim 64, M-RoPE sections 8/12/12) and a byte-level BPE tokenizer with Qwen's special
+tokens. Images are resized to between 4 and 64 merged tokens (min/max pixels), keeping their
+aspect ratio, so that the grid differs with the image's shape and CPU runs stay fast.
+Byte-identical on every build (fixed seed, no version stamps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mmhandoff.models.tiny import SEED, VOCAB_SIZE, _drop_volatile_fields, train_bpe
+
+# Bump when anything below changes: the cache folder is keyed by it.
+BUILD_VERSION = "1"
+PATCH_SIZE = 14
+MERGE_SIZE = 2
+MIN_PIXELS = (PATCH_SIZE * MERGE_SIZE) ** 2 * 4  # at least 4 image tokens
+MAX_PIXELS = (PATCH_SIZE * MERGE_SIZE) ** 2 * 64  # at most 64
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+            "<|image_pad|>", "<|video_pad|>"]
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}" + IMAGE_PLACEHOLDER +
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_qwen2_vl(out: Path) -> None:
+    """Write config, weights, tokenizer and processor files into `out` (an existing folder)."""
+    import torch
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    out = Path(out)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe(SPECIALS), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[1:],
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
+    head_dim = 64
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4096,
+            initializer_range=0.5,  # large random weights: greedy outputs vary with the input
+            # M-RoPE: the rotary half-dimensions given to the temporal, height and width ids
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                             "mrope_section": [8, 12, 12]},
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=2, embed_dim=64, hidden_size=128, mlp_ratio=2, num_heads=2,
+            patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2,
+            initializer_range=0.5,
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    assert sum(config.text_config.rope_parameters["mrope_section"]) == head_dim // 2
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+
+    torch.manual_seed(SEED)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16).eval()
+    model.save_pretrained(out)  # vLLM maps transformers 5's key layout itself for Qwen2-VL
+
+    tokenizer.chat_template = CHAT_TEMPLATE
+    sizes = dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH_SIZE,
+                 merge_size=MERGE_SIZE, temporal_patch_size=2)
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**sizes),
+        video_processor=Qwen2VLVideoProcessor(**sizes),
+        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    _drop_volatile_fields(out, ("config.json", "tokenizer_config.json", "generation_config.json",
+                                "processor_config.json"))

@@ -1,0 +1,287 @@
+"""An M-RoPE model (the tiny Qwen2-VL) on the media-free decode path: each image's grid travels
+in the handoff (v5), decode's engine computes positions from it, and answers equal the
+aggregated engine's and full-media P/D's token for token."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from mmhandoff.decode.full_media import FullMediaDecodeWorker
+from mmhandoff.decode.worker import DecodeWorker, collect
+from mmhandoff.prefill.worker import PrefillWorker
+from mmhandoff.wire.handoff import (
+    Grid,
+    PositionStateMismatch,
+    PositionStateMissing,
+    PositionStateUnexpected,
+)
+from mmhandoff.wire.messages import PrefillRequest
+from tests.conftest import chat, data_uri, encode, free_port, make_image, start
+from tests.flows import agg_run, full_media_run, greedy, handoff_run
+
+pytestmark = pytest.mark.engine
+
+MERGE = 2  # the tiny model's spatial merge (mmhandoff.models.tiny_qwen2_vl)
+
+
+@pytest.fixture(scope="module")
+def qwen_model() -> str:
+    from mmhandoff.models.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model(arch="qwen2_vl"))
+
+
+@pytest.fixture(scope="module")
+def qwen(loop, qwen_model):
+    """Prefill, decode (no vision tower) and a whole-VLM KV consumer (the aggregated reference
+    and the full-media decode arm) of the tiny Qwen2-VL; stopped after this module."""
+    from mmhandoff.vllm_adapter import EngineSpec
+
+    from mmhandoff.vllm_adapter.kv_events import KVEventSubscriber
+
+    common = dict(model=qwen_model, dtype="float32", kv_cache_gib=1)
+    events = {"prefill": free_port(), "decode": free_port()}
+    engines = [start(loop, EngineSpec(
+        role=role, cpu_cores=cores, nixl_port=free_port(), **common,
+        kv_events_endpoint=f"tcp://*:{events[role]}" if role in events else None))
+        for role, cores in (("prefill", "0"), ("decode", "1"), ("full_media_decode", "1"))]
+    prefill, decode, full = engines
+    subscribers = [KVEventSubscriber(f"tcp://127.0.0.1:{port}") for port in events.values()]
+    yield (PrefillWorker(prefill), DecodeWorker(decode, kv_deadline_s=30),
+           FullMediaDecodeWorker(full, kv_deadline_s=30), full, *subscribers)
+    for sub in subscribers:
+        sub.close()
+    for engine in engines:
+        engine.shutdown()
+
+
+CASES = {
+    "640x480-png": [(640, 480, "PNG", 11)],
+    "300x100-png": [(300, 100, "PNG", 12)],  # wide: a grid of 2 x 6 tokens
+    "12mp-jpeg": [(4000, 3000, "JPEG", 13)],
+    "two-images": [(320, 240, "PNG", 14), (120, 360, "JPEG", 15)],  # landscape, then portrait
+}
+
+
+def _blobs(case):
+    return [encode(make_image(w, h, seed), fmt) for w, h, fmt, seed in CASES[case]]
+
+
+def _messages(blobs, text="Describe the pictures."):
+    mimes = ["image/jpeg" if b[:2] == b"\xff\xd8" else "image/png" for b in blobs]
+    return chat(text, *(data_uri(b, m) for b, m in zip(blobs, mimes)))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_handoff_agg_full_media(loop, qwen, case):
+    prefill, decode, full, full_engine, *_ = qwen
+    blobs = _blobs(case)
+    messages = _messages(blobs)
+    s = greedy(32, ignore_eos=True)
+    tokens, last, handoff = loop.run(handoff_run(prefill, decode, f"q-{case}", messages, s))
+    agg = loop.run(agg_run(prefill, full_engine, f"q-{case}", messages, s))
+    full_tokens, _ = loop.run(full_media_run(prefill, full, f"q-{case}", messages, s, blobs))
+    assert len(agg) == 32
+    assert tokens == agg == full_tokens
+    assert last.stats.kv_tokens_pulled > 0
+    # each image's grid, one frame, merged into exactly its placeholder's tokens
+    grids = handoff.features.mm_grids["image"]
+    spans = handoff.features.mm_placeholders["image"]
+    assert len(grids) == len(blobs)
+    for grid, span in zip(grids, spans):
+        assert grid.t == 1 and grid.h * grid.w // MERGE ** 2 == span.length
+    if case == "300x100-png":  # the aspect ratio is kept (to whole 28-pixel tokens): 3:1
+        assert 2.5 < grids[0].w / grids[0].h < 3.5
+    if case == "two-images":  # one landscape, one portrait
+        assert grids[0].w > grids[0].h and grids[1].h > grids[1].w
+    assert last.stats.request_bytes < 4096 < sum(map(len, blobs))  # metadata only
+
+
+def test_answers_depend_on_the_image(loop, qwen):
+    prefill, decode, *_ = qwen
+    answers = [loop.run(handoff_run(prefill, decode, f"q-dep-{seed}",
+                                    _messages([encode(make_image(640, 480, seed))]),
+                                    greedy(12, ignore_eos=True)))[0] for seed in (21, 22)]
+    assert answers[0] != answers[1]
+
+
+def test_vllm_greedy_equals_transformers(loop, qwen, qwen_model):
+    """The builder writes a model vLLM and transformers read alike: transformers' greedy
+    answer (its own processor, its own M-RoPE code) is the aggregated engine's."""
+    import io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    prefill, _, _, full_engine, *_ = qwen
+    blob = encode(make_image(320, 240, 23))
+    messages = _messages([blob], "What is shown?")
+    s = greedy(16, ignore_eos=True)
+    ours = loop.run(agg_run(prefill, full_engine, "q-hf", messages, s))
+
+    processor = AutoProcessor.from_pretrained(qwen_model)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(qwen_model, dtype=torch.float32)
+    text = prefill.prompts.text(PrefillRequest(request_id="q-hf", messages=messages,
+                                               sampling=s))
+    inputs = processor(text=[text], images=[Image.open(io.BytesIO(blob)).convert("RGB")],
+                       return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    assert out[0, inputs["input_ids"].shape[1]:].tolist() == ours
+
+
+def test_decode_engine_has_no_vision_tower(loop, qwen):
+    _, decode, full, *_ = qwen
+
+    def tower(worker):
+        return type(getattr(worker.model_runner.model, "visual", None)).__name__
+
+    assert loop.run(decode.engine.llm.collective_rpc(tower)) == ["StageMissingLayer"]
+    assert loop.run(full.engine.llm.collective_rpc(tower)) != ["StageMissingLayer"]
+
+
+def test_decodes_grid_field_is_the_models_own(loop, qwen):
+    """The field decode gives the grid is the one vLLM's Qwen2-VL processor gives it (kept on
+    the CPU, so the scheduler still sends it once the image's span is covered by KV); a
+    text-only prompt has no grid."""
+    from mmhandoff.vllm_adapter.positions import GRID_KEY, grid_feature_data
+
+    prefill, *_ = qwen
+
+    def render(blobs):
+        request = PrefillRequest(request_id="q-field", messages=_messages(blobs),
+                                 sampling=greedy(1))
+        images = loop.run(prefill.prompts.images(request))
+        return loop.run(prefill.engine.render(prefill.prompts.text(request), images))
+
+    text_only = render([])
+    assert text_only.features.mm_grids == {}
+    rendered = render([encode(make_image(56, 84, 29))])
+    (item,) = rendered.engine_input["mm_kwargs"]["image"]
+    ours = grid_feature_data(rendered.features.mm_grids["image"][0])[GRID_KEY]
+    assert ours.field == item[GRID_KEY].field and ours.field.keep_on_cpu
+    assert ours.data.tolist() == item[GRID_KEY].data.tolist()
+    for r in (text_only, rendered):
+        prefill.engine.discard(r)  # never submitted
+
+
+def test_an_image_sent_by_hash_alone_still_gets_its_grid(loop, qwen):
+    """vLLM's renderer sends an image it already sent as its hash alone, without the processed
+    data the grid is in: prefill takes the grid from its memo, or, with the memo emptied,
+    renders the image afresh; the answer is the same every time."""
+    from mmhandoff.vllm_adapter.positions import GridMemo
+
+    prefill, decode, *_ = qwen
+    messages = _messages([encode(make_image(200, 500, 24))])
+    s = greedy(12, ignore_eos=True)
+    runs = []
+    for i in range(3):
+        if i == 2:
+            prefill.engine._grids = GridMemo()  # as if the image had left the memo
+        tokens, _, handoff = loop.run(handoff_run(prefill, decode, f"q-again-{i}", messages, s))
+        runs.append((tokens, handoff.features.mm_grids))
+    assert runs[0] == runs[1] == runs[2]
+
+
+def _handoff(loop, prefill, request_id, blobs):
+    handoff, _ = loop.run(prefill.handoff(PrefillRequest(
+        request_id=request_id, messages=_messages(blobs), sampling=greedy(8, ignore_eos=True))))
+    return handoff
+
+
+def _with_grids(handoff, grids):
+    features = msgspec.structs.replace(handoff.features, mm_grids=grids)
+    return msgspec.structs.replace(handoff, features=features)
+
+
+def test_position_state_admission_on_the_engines(loop, qwen, engines):
+    """Missing, inconsistent or unexpected grids: each its typed error, before the engine sees
+    the request, and both decode engines answer the next good handoff."""
+    prefill, decode, *_ = qwen
+    blob = encode(make_image(640, 480, 25))
+    (grid,) = _handoff(loop, prefill, "q-adm-0", [blob]).features.mm_grids["image"]
+    bad = {
+        PositionStateMissing: None,
+        PositionStateMismatch: {"image": [Grid(t=1, h=grid.h, w=grid.w + MERGE)]},
+    }
+    for i, (error, grids) in enumerate(bad.items()):
+        handoff = _with_grids(_handoff(loop, prefill, f"q-adm-{i + 1}", [blob]), grids)
+        with pytest.raises(error):
+            loop.run(collect(decode.generate(handoff)))
+    good = _handoff(loop, prefill, "q-adm-good", [blob])
+    tokens, last = loop.run(collect(decode.generate(good)))
+    assert len(tokens) == 7 and last.stats.kv_tokens_pulled > 0
+
+    # a model whose positions do not depend on the grid (the tiny LLaVA) refuses them
+    llava_prefill, llava_decode = PrefillWorker(engines.prefill), DecodeWorker(engines.decode)
+    handoff = _handoff(loop, llava_prefill, "q-adm-llava", [blob])
+    assert handoff.features.mm_grids is None
+    with pytest.raises(PositionStateUnexpected):
+        llava_decode.admit(_with_grids(handoff, {"image": [grid]}))
+
+
+def test_decode_fails_closed_without_kv_and_stays_healthy(loop, qwen):
+    """A feature that carries the grid is still a KV-only one: with nothing to pull, the
+    fail-closed scheduler ends the request instead of computing the image's positions."""
+    from mmhandoff.decode.stream import KVCoverageError
+
+    prefill, decode, *_ = qwen
+    blob = encode(make_image(640, 480, 28))
+    handoff = msgspec.structs.replace(_handoff(loop, prefill, "q-nokv", [blob]),
+                                      kv_transfer_params={})
+    with pytest.raises(KVCoverageError) as e:
+        loop.run(collect(decode.generate(handoff)))
+    assert e.value.cause.startswith("no KV")
+    tokens, _ = loop.run(collect(decode.generate(_handoff(loop, prefill, "q-kv", [blob]))))
+    assert len(tokens) == 7
+
+
+def test_a_wrong_grid_of_the_same_size_changes_the_answer(loop, qwen):
+    """Decode cannot check a grid against media it never sees: a signed handoff guards it (a
+    changed grid fails the signature: test_handoff_message). Unsigned, a grid of the same token
+    count is taken, and what it changes is documented here: positions after the image follow
+    the grid's extent, so a grid with another extent changes the answer, while a transposed
+    one (same extent, the same positions after the image) leaves it as it is."""
+    prefill, decode, _, full_engine, *_ = qwen
+    blob = encode(make_image(640, 480, 26))
+    s = greedy(16, ignore_eos=True)
+    agg = loop.run(agg_run(prefill, full_engine, "q-wrong-agg", _messages([blob]), s))
+    (grid,) = _handoff(loop, prefill, "q-wrong-0", [blob]).features.mm_grids["image"]
+    assert grid.h != grid.w
+    flat = Grid(t=1, h=MERGE, w=grid.h * grid.w // MERGE)  # one row of tokens: a wider extent
+    transposed = Grid(t=1, h=grid.w, w=grid.h)
+    answers = {}
+    for name, wrong in (("flat", flat), ("transposed", transposed)):
+        handoff, _ = loop.run(prefill.handoff(PrefillRequest(
+            request_id=f"q-wrong-{name}", messages=_messages([blob]), sampling=s)))
+        handoff = _with_grids(handoff, {"image": [wrong]})
+        tokens, _ = loop.run(collect(decode.generate(handoff)))
+        answers[name] = [handoff.first_token, *tokens]
+    assert answers["flat"] != agg
+    assert answers["transposed"] == agg
+
+
+def test_the_routers_block_hashes_are_the_engines(loop, qwen):
+    """The router's hashes (vLLM's own function on the handoff's token ids and image
+    identities: the grid needs no place in them) equal what prefill's and decode's engines
+    published for the prompt, bit for bit."""
+    import time
+
+    from mmhandoff.vllm_adapter.block_hashes import BlockHasher
+    from tests.flows import published_chain
+
+    prefill, decode, _, _, prefill_events, decode_events = qwen
+    _, _, h = loop.run(handoff_run(
+        prefill, decode, "q-hashes", _messages([encode(make_image(400, 600, 27))], "Hash me."),
+        greedy(4)))
+    assert len(h.token_ids) >= 64
+    deadline = time.monotonic() + 10
+    while None in (published_chain(prefill_events, h.token_ids),
+                   published_chain(decode_events, h.token_ids)):
+        assert time.monotonic() < deadline, "an engine published no KV events for the prompt"
+        time.sleep(0.05)
+    published = published_chain(prefill_events, h.token_ids)
+    assert BlockHasher(32).of_handoff(h) == published
+    assert published_chain(decode_events, h.token_ids) == published
