@@ -161,6 +161,13 @@ BAD_CASES = {
                       "invalid_sampling"),
     "include_stop_str_in_output 1": (chat_body(GOOD, include_stop_str_in_output=1), 400,
                                      "invalid_sampling"),
+    "logit_bias a list": (chat_body(GOOD, logit_bias=[1, 2]), 400, "invalid_sampling"),
+    "logit_bias a word key": (chat_body(GOOD, logit_bias={"the": 1}), 400, "invalid_sampling"),
+    "logit_bias a negative id": (chat_body(GOOD, logit_bias={"-1": 1}), 400, "invalid_sampling"),
+    "logit_bias not a number": (chat_body(GOOD, logit_bias={"5": "x"}), 400, "invalid_sampling"),
+    "logit_bias a boolean": (chat_body(GOOD, logit_bias={"5": True}), 400, "invalid_sampling"),
+    "logit_bias too many": (chat_body(GOOD, logit_bias={str(i): 1 for i in range(301)}), 400,
+                            "invalid_sampling"),
 }
 
 
@@ -237,7 +244,7 @@ def test_an_image_header_longer_than_the_peeked_head_is_read_whole():
     assert (refused.value.status, refused.value.code) == (413, "image_too_large")
 
 
-UNAPPLIED_CASES = [("best_of", 3), ("prompt_logprobs", 2), ("logit_bias", {"5": 10}),
+UNAPPLIED_CASES = [("best_of", 3), ("prompt_logprobs", 2),
                    ("guided_json", {"type": "object"}),
                    ("tools", [{"type": "function", "function": {"name": "f"}}]),
                    ("tool_choice", "auto")]
@@ -367,6 +374,12 @@ def test_sampling_settings_reach_the_request_as_vllm_reads_them():
     plain = asyncio.run(RequestReader(MODEL).completion({"model": MODEL, "prompt": "x"})).sampling
     assert (plain.top_k, plain.min_p, plain.repetition_penalty, plain.min_tokens) == (0, 0, 1, 0)
     assert not plain.whole_answer_on_one_engine()
+    # logit_bias: as vLLM, each bias clamped to [-100, 100]; it holds for each token alone, so
+    # prefill samples the first token
+    s = asyncio.run(RequestReader(MODEL).completion(
+        {"model": MODEL, "prompt": "x", "logit_bias": {"5": 150, "007": -3.5}})).sampling
+    assert s.logit_bias == {"5": 100.0, "7": -3.5} and not s.whole_answer_on_one_engine()
+    assert plain.logit_bias is None
     for stop, expected in (("\n", ["\n"]), (["a", "bc"], ["a", "bc"]), ("", []), (None, [])):
         s = asyncio.run(RequestReader(MODEL).completion(
             {"model": MODEL, "prompt": "x", "stop": stop, "include_stop_str_in_output": True}))

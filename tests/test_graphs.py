@@ -163,6 +163,14 @@ def _parameters(url: str, messages: list[dict]) -> dict:
     got["json_schema"] = ask(max_tokens=24, response_format={
         "type": "json_schema", "json_schema": {"name": "picture", "schema": schema}})
     assert got["json_schema"][0].lstrip().startswith("{")  # as far as 24 tokens go
+    # logit_bias: +100 on one token makes it every token of the answer (the tiny model's own
+    # vocabulary says which string that is); an id outside the vocabulary is the client's fault
+    token_id, token = _a_word_token()
+    got["logit_bias"] = ask(logit_bias={str(token_id): 100}, **eos)
+    assert got["logit_bias"][0] == token * 12
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(logit_bias={"99999": 5})
+    assert e.value.body["code"] == "invalid_request"
     for refused, kw in (("best_of", {"extra_body": {"best_of": 2}}),
                         ("prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}})):
         with pytest.raises(openai.BadRequestError) as e:
@@ -170,6 +178,21 @@ def _parameters(url: str, messages: list[dict]) -> dict:
         assert e.value.body["code"] == "unsupported_parameter"
         assert e.value.body["message"].startswith(f"{refused} is not supported"), e.value.body
     return got
+
+
+def _a_word_token() -> tuple[int, str]:
+    """(id, text) of the tiny model's first whole-word token (a space and 3+ letters)."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from mmhandoff.models.tiny import ensure_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+    for piece, token_id in sorted(tokenizer.get_vocab().items()):
+        if re.fullmatch(r"\u0120[a-z]{3,}", piece):  # byte-level BPE's "\u0120" is a space
+            return token_id, tokenizer.decode([token_id])
+    raise AssertionError("no whole-word token in the tiny vocabulary")
 
 
 LONG = 1500  # tokens: streams still under way when a fault is injected (seconds on CPU)
@@ -190,9 +213,11 @@ def agg_answers(tmp_path_factory, image_server):
         questions = _questions(image_server)
         answers = _answers(graph.url, questions)
         answers["parameters"] = _parameters(graph.url, questions["data URI"])
+        # the router graph's prefill bypass answers these (decode holds the turn's image)
+        answers["parameters, first turn"] = _parameters(graph.url, FIRST_TURN)
         graph.stop(signal.SIGINT, times=3)  # Ctrl-C, pressed again while it stops
     assert all(stats["request_bytes"] == 0 for *_, stats in
-               (v for k, v in answers.items() if k != "parameters"))
+               (v for k, v in answers.items() if not k.startswith("parameters")))
     return answers
 
 
@@ -366,6 +391,11 @@ def test_router_and_full_media_graphs_answer_as_agg(tmp_path, image_server, agg_
                 assert 0 < stats["request_bytes"] < 4096, (name, stats)
         if "router" in target:
             _check_bypass(graph, agg_answers["follow-up"])
+            # every parameter on the bypass path too: decode samples the whole answer
+            bypassed = 'mmhandoff_router_decisions_total{reason="bypass"}'
+            before = _router_metrics(graph)[bypassed]
+            assert _parameters(graph.url, FIRST_TURN) == agg_answers["parameters, first turn"]
+            assert _router_metrics(graph)[bypassed] - before >= 15
         graph.stop()
 
 

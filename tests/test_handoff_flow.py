@@ -289,6 +289,25 @@ def test_sampling_settings_hold_across_prefill_and_decode(loop, workers, engines
     assert tokens == agg != plain
 
 
+def test_logit_bias_holds_on_prefill_and_decode(loop, workers, engines):
+    """A bias holds for every token, prefill's first and decode's rest: tokens forbidden
+    (-100) never appear and the answer is agg's; a token favoured by +100 is every token."""
+    prefill, decode, _ = workers
+    messages = chat("Go on.", data_uri(encode(make_image(96, 64, 33))))
+    plain = loop.run(agg_run(prefill, engines.full, "b-plain", messages,
+                             greedy(16, ignore_eos=True)))
+    banned = {plain[0], plain[5]}
+    s = greedy(16, ignore_eos=True, logit_bias={str(t): -100.0 for t in banned})
+    agg = loop.run(agg_run(prefill, engines.full, "b-agg", messages, s))
+    tokens, _, h = loop.run(handoff_run(prefill, decode, "b-split", messages, s))
+    assert h.first_token is not None  # prefill sampled the first token under the bias
+    assert tokens == agg != plain and not banned & set(tokens)
+    favoured = plain[3]
+    s = greedy(16, ignore_eos=True, logit_bias={str(favoured): 100.0})
+    tokens, _, _ = loop.run(handoff_run(prefill, decode, "b-favoured", messages, s))
+    assert tokens == [favoured] * 16
+
+
 def test_top_k_and_min_p_hold_on_prefill_and_decode(loop, workers, engines):
     """At temperature 1, top_k 1 (and, alone, min_p 1) leaves only the likeliest token: the
     sampled answer is the greedy one only if both prefill and decode applied it."""

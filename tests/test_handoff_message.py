@@ -156,6 +156,8 @@ def _wire(d: dict) -> bytes:
     (lambda d: d["features"].update(mm_grids={"image": [{"t": 1, "h": 4}]}), MalformedHandoff),
     (lambda d: d.update(v=4, features=dict(d["features"], mm_grids={"image": [
         {"t": 1, "h": 4, "w": 4}]})), MalformedHandoff),
+    (lambda d: d.update(v=4, sampling={"logit_bias": {"5": 1.0}}), MalformedHandoff),  # v5
+    (lambda d: d.update(sampling={"logit_bias": {"5": "x"}}), MalformedHandoff),
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(offset=8), SpanOutOfRange),
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(offset=-1), SpanOutOfRange),
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(length=0), SpanOutOfRange),

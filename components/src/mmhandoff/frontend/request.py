@@ -203,6 +203,7 @@ class RequestReader:
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI allows 300)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")
 
 
@@ -306,7 +307,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def _sampling_extras(body: dict, max_tokens: int) -> dict[str, Any]:
-    """top_k, min_p, the penalties, stop strings and min_tokens, under vLLM's own rules
+    """top_k, min_p, the penalties, stop strings, logit_bias and min_tokens, under vLLM's own rules
     (SamplingParams' checks), so that a value vLLM would refuse is a 400 here, before any
     work."""
     out: dict[str, Any] = {}
@@ -346,6 +347,16 @@ def _sampling_extras(body: dict, max_tokens: int) -> dict[str, Any]:
             raise ApiError(400, "include_stop_str_in_output must be a boolean",
                            "invalid_sampling")
         out["include_stop_str_in_output"] = include
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS or any(
+                not (isinstance(t, str) and t.isascii() and t.isdigit() and len(t) <= 9)
+                or not (_number(b) and math.isfinite(b)) for t, b in bias.items()):
+            raise ApiError(400, f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids "
+                                "(decimal strings) to finite numbers", "invalid_sampling")
+        if bias:  # as vLLM: each bias clamped to [-100, 100]
+            out["logit_bias"] = {str(int(t)): min(100.0, max(-100.0, float(b)))
+                                 for t, b in bias.items()}
     min_tokens = body.get("min_tokens")
     if min_tokens is not None:
         if type(min_tokens) is not int or not 0 <= min_tokens <= max_tokens:
@@ -360,7 +371,7 @@ def _sampling_extras(body: dict, max_tokens: int) -> dict[str, Any]:
 # applied, one choice for n=2, no JSON for a schema) looks right and is wrong. tools: vLLM itself
 # refuses them unless a tool parser is configured.
 UNAPPLIED: dict[str, tuple] = {
-    "best_of": (1,), "prompt_logprobs": (0,), "logit_bias": ({},),
+    "best_of": (1,), "prompt_logprobs": (0,),
     "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "suffix": ("",),

@@ -144,16 +144,10 @@ def engine_args(spec: EngineSpec):
 
 
 def _no_vision_tower() -> dict[str, Any]:
-    """Engine arguments under which vLLM builds none of the model's media encoders: no media
-    input at all (vLLM 0.31's `language_model_only`; Qwen2-VL has a video modality beside the
-    image one, sharing the tower). vLLM 0.26 (the lent GPU) lacks it: images only, as before."""
-    import dataclasses
-
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    if "language_model_only" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:
-        return {"language_model_only": True}
-    return {"limit_mm_per_prompt": {"image": 0}}
+    """Engine arguments under which vLLM builds none of the model's vision encoders: no image
+    and no video input (Qwen2-VL's tower serves both: with images alone at 0 vLLM still built
+    it). vLLM takes a limit for a modality the model lacks (LLaVA's video)."""
+    return {"limit_mm_per_prompt": {"image": 0, "video": 0}}
 
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:

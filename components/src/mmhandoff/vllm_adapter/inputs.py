@@ -101,6 +101,7 @@ def sampling_params(s: Sampling, *, max_tokens: int | None = None,
         structured_outputs=None if s.structured is None else StructuredOutputsParams(
             json=s.structured.json, json_object=s.structured.json_object or None,
             regex=s.structured.regex, choice=s.structured.choice),
+        logit_bias=None if s.logit_bias is None else {int(t): b for t, b in s.logit_bias.items()},
         extra_args=extra,
     )
 

@@ -29,7 +29,8 @@ import msgspec
 
 # 2: `first_token`, prefill's sampled token, which the client already has; decode continues
 # after it. 3: sampling's `min_p`, penalties, `min_tokens` and stop strings (SAMPLING_V3).
-# 4: sampling's `structured` (structured outputs). 5: features' `mm_grids` (M-RoPE position state).
+# 4: sampling's `structured` (structured outputs). 5: features' `mm_grids` (M-RoPE position
+# state) and sampling's `logit_bias`.
 # Older versions (1: no first token, decode samples it) stay readable, so a decode tier upgraded
 # first keeps taking an older prefill's handoffs; an older decode refuses a newer one by version.
 VERSION = 5
@@ -203,6 +204,9 @@ class Sampling(_Strict):
     stop: list[str] = []  # (v3) stop strings
     include_stop_str_in_output: bool = False  # (v3)
     structured: Structured | None = None  # (v4) the answer follows this constraint
+    # (v5) added to the logits of these token ids (OpenAI's form: decimal id strings, so the map
+    # survives JSON), at every token: prefill's and decode's alike
+    logit_bias: dict[str, float] | None = None
 
     def whole_answer_on_one_engine(self) -> bool:
         """Whether one engine must sample every token of the answer, so that decode samples the
@@ -226,7 +230,8 @@ _DEFAULT_SAMPLING = Sampling()
 # were not all appended: signatures of version 1-2 prefills do not verify at a version 3 or
 # later decode.)
 FIELDS_SINCE: dict[tuple[str, ...], int] = {("sampling", "structured"): 4,
-                                             ("features", "mm_grids"): 5}
+                                             ("features", "mm_grids"): 5,
+                                             ("sampling", "logit_bias"): 5}
 
 
 class Handoff(_Strict):
