@@ -85,6 +85,7 @@ def bench(url: str, tokenizer: str, args, out: Path) -> dict:
            "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
            "--random-mm-bucket-config", "{(336, 448, 1): 1.0}", "--ignore-eos",
            "--max-concurrency", str(args.concurrency), "--seed", "0", "--disable-tqdm",
+           "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -103,8 +104,10 @@ def aiperf(binary: str, url: str, tokenizer: str, args, out: Path) -> dict:
            "--image-width-mean", "336", "--image-height-mean", "448", "--image-batch-size", "1",
            "--extra-inputs", "ignore_eos:true", "--random-seed", "0",
            "--output-artifact-dir", str(out), "--ui-type", "none"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    # not HF_HUB_OFFLINE: AIPerf's offline path looks the tokenizer up in the hub's cache only,
+    # while its online path takes a local folder as it is (nothing is downloaded)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if done.returncode != 0:
         raise SystemExit(done.stdout[-2000:] + done.stderr[-2000:])
     (summary,) = out.rglob("profile_export_aiperf.json")
@@ -113,6 +116,9 @@ def aiperf(binary: str, url: str, tokenizer: str, args, out: Path) -> dict:
             "failed": int((m.get("error_request_count") or {}).get("avg", 0)),
             "total_output_tokens": int(m["output_token_count"]["avg"] * m["request_count"]["avg"]),
             "request_throughput": m["request_throughput"]["avg"],
+            "duration": m["benchmark_duration"]["avg"],
+            "median_e2el_ms": m["request_latency"]["p50"],
+            "median_tpot_ms": m["inter_token_latency"]["p50"],
             "median_ttft_ms": m["time_to_first_token"]["p50"]}
 
 
@@ -164,7 +170,10 @@ def main(argv=None) -> int:
                        "server_output_tokens": served,
                        "expected": args.requests * args.output_len,
                        "req_per_s": round(r["request_throughput"], 2),
-                       "ttft_p50_ms": round(r["median_ttft_ms"], 1)}
+                       "ttft_p50_ms": round(r["median_ttft_ms"], 1),
+                       "tpot_p50_ms": round(r.get("median_tpot_ms", 0), 1),
+                       "duration_s": round(r.get("duration", 0), 1),
+                       "e2el_p50_ms": round(r.get("median_e2el_ms", 0), 1)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     base = {r["client"]: r for r in rows if r["arm"] == "vllm"}

@@ -127,6 +127,11 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None:
         ...
 
+    async def warm_up(self) -> None:
+        """Pay the engine's one-time costs (what its first requests would otherwise wait for)
+        before the worker reports ready."""
+        ...
+
     def dead_cause(self) -> str | None:
         ...
 

@@ -185,6 +185,9 @@ class FakeEngine:
         finally:
             self.running.discard(request_id)
 
+    async def warm_up(self) -> None:  # nothing to pay
+        return None
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)  # every call, as asked: a finished one is a no-op
 

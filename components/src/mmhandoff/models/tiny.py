@@ -51,10 +51,14 @@ _CORPUS = [
 ARCHES = ("llava", "qwen2_vl")
 
 
+def cache_root() -> Path:
+    """mmhandoff's cache folder: $MMHANDOFF_CACHE, else ~/.cache/mmhandoff."""
+    return Path(os.environ.get("MMHANDOFF_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mmhandoff"))
+
+
 def default_cache_dir(arch: str = "llava") -> Path:
-    root = os.environ.get("MMHANDOFF_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mmhandoff"
-    )
+    root = cache_root()
     if arch == "qwen2_vl":
         from mmhandoff.models.tiny_qwen2_vl import BUILD_VERSION as version
 

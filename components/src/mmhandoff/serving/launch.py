@@ -172,7 +172,10 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     worker = make_worker(engine, args, rt)
     if inspect.isawaitable(worker):
         worker = await worker
-    if hasattr(worker, "warm_up"):  # the first client's request as fast as the rest
+    # the first client's request as fast as the rest: the engine's one-time costs, then the
+    # worker's own path
+    await engine.warm_up()
+    if hasattr(worker, "warm_up"):
         await worker.warm_up()
     served = serve(rt, path, worker.handle, errors, endpoint=served_endpoint)
     stop = asyncio.Event()

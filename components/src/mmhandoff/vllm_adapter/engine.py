@@ -153,6 +153,12 @@ def _no_vision_tower() -> dict[str, Any]:
 def engine_env(spec: EngineSpec) -> dict[str, str]:
     """Environment the engine core process must start with."""
     env = {"PYTHONHASHSEED": str(spec.block_hash_seed)}
+    # Kernels vLLM compiles with torch.compile even in eager mode (its CPU sampler: 15 s on 2
+    # cores, VllmEngine.warm_up) are kept across runs in mmhandoff's cache, not in the temp dir
+    # (importing vLLM points torch there), which serve makes per run.
+    from mmhandoff.models.tiny import cache_root
+
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "torchinductor")
     if on_cpu():
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
         if spec.cpu_cores is not None:

@@ -200,6 +200,18 @@ class VllmEngine:
         finally:
             await stream.aclose()  # closing vLLM's stream early aborts the request there
 
+    async def warm_up(self) -> None:
+        """One short sampled answer before the worker reports ready, so that no client request
+        pays a one-time cost: vLLM's CPU sampler compiles its random-sampling kernel with
+        torch.compile at its first use, whatever `enforce_eager` says (a client's first
+        unseeded request at temperature > 0 took 15-17 s on 2 cores, the next ones 50 ms)."""
+        import uuid
+
+        params = sampling_params(Sampling(max_tokens=2, temperature=1.0, ignore_eos=True))
+        async for _ in self.llm.generate({"prompt": "Warm up."}, params,
+                                         f"warm-up-{uuid.uuid4().hex[:8]}"):
+            pass
+
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
