@@ -285,3 +285,25 @@ def test_the_routers_block_hashes_are_the_engines(loop, qwen):
     published = published_chain(prefill_events, h.token_ids)
     assert BlockHasher(32).of_handoff(h) == published
     assert published_chain(decode_events, h.token_ids) == published
+
+
+def test_a_follow_up_bypass_takes_its_positions_from_the_grids(loop, qwen):
+    """Prefill's bypass (docs/routing.md) for an M-RoPE model: the follow-up's handoff names no
+    KV and carries each image's grid from prefill's render (no vision encoder run); decode
+    computes every position from it and answers from its own prefix cache as agg does."""
+    from tests.test_bypass_engine import BLOCK, Claims, _conversation
+
+    prefill, decode, _, full_engine, *_ = qwen
+    first, follow_up = _conversation(64)
+    s = greedy(12, ignore_eos=True)
+    loop.run(handoff_run(prefill, decode, "q-bp-1", first, s))  # decode now holds its blocks
+    bypassing = PrefillWorker(prefill.engine, router=Claims(), bypass_max_tokens=256)
+    answer = loop.run(bypassing.prefill(PrefillRequest(request_id="q-bp-2", messages=follow_up,
+                                                       sampling=s)))
+    handoff = answer.handoff
+    assert answer.stats.bypassed and handoff.kv_transfer_params == {}
+    ((_, _, span, grid),) = handoff.items_with_grids()
+    assert grid is not None and span.offset + span.length <= len(handoff.token_ids) // BLOCK * BLOCK
+    tokens, last = loop.run(collect(decode.generate(handoff)))
+    assert tokens == loop.run(agg_run(prefill, full_engine, "q-bp-agg", follow_up, s))
+    assert last.stats.kv_tokens_pulled == 0 and last.stats.kv_tokens_local > 0
