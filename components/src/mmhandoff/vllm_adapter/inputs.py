@@ -6,7 +6,8 @@ content hash.
 
 Decode: a metadata-only request. vLLM's input processor builds and validates the token-only
 request (sampling defaults, eos, vocabulary range); the image features are then attached with no
-data (for an M-RoPE model: with the image's grid alone, from which vLLM computes positions). This path skips the processor's encoder-capacity check on purpose: the decode engine has no
+data (for an M-RoPE model: with the image's grid alone, from which vLLM computes positions).
+This path skips the processor's encoder-capacity check on purpose: the decode engine has no
 encoder, and a KV-only item never reaches one (the fail-closed scheduler guarantees it).
 """
 

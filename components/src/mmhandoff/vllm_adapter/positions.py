@@ -71,7 +71,8 @@ class GridMemo:
         self.capacity = capacity
         self._grids: OrderedDict[str, Grid] = OrderedDict()
 
-    def resolve(self, identifiers: Sequence[str], grids: Sequence[Grid | None]) -> list[Grid | None]:
+    def resolve(self, identifiers: Sequence[str],
+                grids: Sequence[Grid | None]) -> list[Grid | None]:
         """Each image's grid: the one rendering gave (recorded), else the recorded one, else
         None."""
         out = []

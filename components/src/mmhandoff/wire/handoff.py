@@ -315,7 +315,8 @@ def decode_handoff(data: bytes) -> Handoff:
         ):
             raise PayloadPresent(f"the handoff must carry no media payload: {msg}") from None
         if "unknown field" in msg and "$.features" in msg:
-            raise PayloadPresent(f"features may hold only hashes, placeholders and grids: {msg}") from None
+            raise PayloadPresent(
+                f"features may hold only hashes, placeholders and grids: {msg}") from None
         raise MalformedHandoff(msg) from None
     except msgspec.DecodeError as e:
         raise MalformedHandoff(f"not a handoff message: {e}") from None
