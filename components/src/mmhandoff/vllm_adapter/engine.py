@@ -129,7 +129,7 @@ def engine_args(spec: EngineSpec):
             connector["kv_buffer_device"] = spec.kv_buffer_device or "cpu"
         kw["kv_transfer_config"] = KVTransferConfig(**connector)
     if spec.role == "decode":
-        kw.update(_no_vision_tower())
+        kw.update(_no_vision_tower(spec.model))
         kw["mm_processor_cache_gb"] = 0
         kw["scheduler_cls"] = FAIL_CLOSED_SCHEDULER
     elif spec.role == "full_media_decode":  # reports what it pulled, as decode does
@@ -143,11 +143,19 @@ def engine_args(spec: EngineSpec):
     return AsyncEngineArgs(**kw)
 
 
-def _no_vision_tower() -> dict[str, Any]:
+def _no_vision_tower(model: str) -> dict[str, Any]:
     """Engine arguments under which vLLM builds none of the model's vision encoders: no image
-    and no video input (Qwen2-VL's tower serves both: with images alone at 0 vLLM still built
-    it). vLLM takes a limit for a modality the model lacks (LLaVA's video)."""
-    return {"limit_mm_per_prompt": {"image": 0, "video": 0}}
+    input, and no video input for a model that takes video (Qwen2-VL's tower serves both: with
+    images alone at 0 vLLM still built it). Other models keep the image limit alone, as the
+    decode engine was always started (a video limit for LLaVA is taken, but two clean-clone CI
+    runs with a changed LLaVA decode configuration failed a kill test's clean-stop check)."""
+    import json
+    from pathlib import Path
+
+    config = Path(model) / "config.json"
+    takes_video = config.is_file() and any(
+        k in json.loads(config.read_text()) for k in ("video_token_id", "video_token_index"))
+    return {"limit_mm_per_prompt": {"image": 0, "video": 0} if takes_video else {"image": 0}}
 
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:
