@@ -15,6 +15,7 @@ by the numbers.
 Prompts of 2k/8k/16k tokens with 1 or 4 images (576 tokens each), 4/16/64 replicas; each replica
 holds a random-length prefix of every prompt plus unrelated blocks. Block size 32 (vLLM on CPU).
 p50/p99 per cell in microseconds; the ratio of the two arms' p50, and ours p99 over the target.
+Then the prefill tier's placement (`placement`): no hashing of tokens, so it is timed apart.
 """
 
 from __future__ import annotations
@@ -118,7 +119,58 @@ def main(args) -> None:
                       f"{_pct(ours, .99) / TARGET_P99_US:.2f}x | {look}", flush=True)
 
 
+def placement(args) -> None:
+    """The prefill tier's decision, which needs no hashing: the frontend's image keys (a hash of
+    each image's bytes as sent) and the router's place (table lookup + prefill index overlap +
+    choice), per image size and prefill replica count."""
+    import base64
+
+    from mmhandoff.frontend.placement import image_keys
+    from mmhandoff.router.router import Router
+    from mmhandoff.wire.messages import PlaceRequest, PrefillRequest, user
+
+    class Live:
+        def __init__(self, n):
+            self.ids = list(range(n))
+
+        def instance_ids(self):
+            return self.ids
+
+    rng = random.Random(11)
+    print("\nprefill placement: image_keys at the frontend (us), router.place (us)")
+    for name, n_bytes in (("640x480 PNG (~0.9 MB)", 900_000), ("12 MP JPEG (~4 MB)", 4_000_000)):
+        uri = "data:image/png;base64," + base64.b64encode(rng.randbytes(n_bytes)).decode()
+        request = PrefillRequest(request_id="b", messages=[user("What is in it?", uri)])
+        took = []
+        for _ in range(max(args.repeats // 10, 5)):
+            t0 = time.perf_counter()
+            image_keys(request)
+            took.append((time.perf_counter() - t0) * 1e6)
+        print(f"  image_keys, one {name}: p50 {_pct(took, .5):.0f} p99 {_pct(took, .99):.0f}")
+    for n_tokens in (2048, 8192):
+        for replicas in (4, 16, 64):
+            router = Router(Live(2), prefill=Live(replicas))
+            prefix = [rng.getrandbits(63) for _ in range(n_tokens // BLOCK)]
+            router.table.update({"key": prefix})
+            for r in range(replicas):
+                router.prefill_index.stored(r, prefix[:rng.randrange(len(prefix) + 1)])
+                router.prefill_index.stored(r, [rng.getrandbits(63) for _ in range(64)])
+            ask = PlaceRequest(request_id="b", image_keys=["other", "key"])
+            took = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                router.place(ask)
+                took.append((time.perf_counter() - t0) * 1e6)
+            print(f"  place, {n_tokens} tokens through the image, {replicas} prefill replicas: "
+                  f"p50 {_pct(took, .5):.0f} p99 {_pct(took, .99):.0f}")
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=200)
-    main(p.parse_args())
+    p.add_argument("--placement-only", action="store_true",
+                   help="only the prefill tier's decision (no hashing)")
+    parsed = p.parse_args()
+    if not parsed.placement_only:
+        main(parsed)
+    placement(parsed)

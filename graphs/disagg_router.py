@@ -1,7 +1,9 @@
 """frontend -> prefill -> router -> decode (replicas).
 
-The frontend sends the handoff to the router, which picks the decode replica that already holds
-most of its KV blocks (mmhandoff.router; docs/routing.md)."""
+The frontend asks the router which prefill replica takes a request, then sends the handoff to
+the router, which picks the decode replica; each time the one that already holds most of its KV
+blocks (mmhandoff.router; docs/routing.md). The frontend finds the router down its links, so the
+graph needs no link back from the frontend to it."""
 
 from mmhandoff.serving.graph import Component
 

@@ -12,8 +12,10 @@ import pickle
 import random
 import time
 
+import msgspec
 import pytest
 
+from mmhandoff.frontend.placement import image_keys
 from mmhandoff.router.index import KvIndex
 from mmhandoff.vllm_adapter.block_hashes import BlockHasher
 from mmhandoff.vllm_adapter.kv_events import feed
@@ -105,9 +107,15 @@ def test_hashes_equal_the_engines_kv_events(loop, engines, prefill, case):
                      for _ in range(80))  # text of its own: blocks the engine has not seen
     request = PrefillRequest(request_id=f"bh-{case}", messages=chat(f"{case}: {words}", *uris),
                              sampling=greedy(2), cache_salt=salt)
+    request = msgspec.structs.replace(request, image_keys=image_keys(request))
+    prefixes: dict[str, list] = {}  # what prefill publishes for the router's placement
 
     async def run():
-        handoff, _ = await prefill_worker.handoff(request)
+        prefill_worker.publish_prefixes = prefixes.update
+        try:
+            handoff, _ = await prefill_worker.handoff(request)
+        finally:
+            prefill_worker.publish_prefixes = None
         await collect(decode_worker.generate(handoff))  # pulls, and so frees prefill's blocks
         return handoff
 
@@ -127,6 +135,12 @@ def test_hashes_equal_the_engines_kv_events(loop, engines, prefill, case):
     feed(index, 2, engines.decode_events.events())
     assert index.overlap(BlockHasher(32).of_handoff(h)) == {1: len(published),
                                                           2: len(published)}
+    # prefill's published image prefixes (the engine adapter's block_hashes): the same hashes,
+    # the full blocks through each image
+    ends = sorted(s.offset + s.length for _, _, s in h.items())
+    assert len(prefixes) == len(images) == len(ends)
+    for key, end in zip(request.image_keys, ends):
+        assert prefixes[key] == published[:end // 32]
     if salt:  # the salt is in the hashes: the unsalted prompt's would differ
         assert BlockHasher(32).hashes(h.token_ids, [(d, s.offset, s.length)
                                                    for _, d, s in h.items()]) != published

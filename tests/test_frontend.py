@@ -107,6 +107,53 @@ def test_completions_equal_the_engine_on_the_raw_prompt(loop, server, engines):
     assert plain.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
+def test_echo_with_logprobs_gives_the_prompts_logprobs_as_vllm_computes_them(loop, server,
+                                                                            engines):
+    """Completions' echo with logprobs: the prompt's tokens, the first with null logprobs, then
+    the answer's, each with its logprob; the prompt's equal what vLLM's own engine computes for
+    the same text (`prompt_logprobs`, on the aggregated engine), the answer's its sampled ones.
+    Streamed and not, the same entries."""
+    from vllm import SamplingParams
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+    prompt = "USER: Count the blocks. ASSISTANT:"
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    plain = client.completions.create(**ask)
+    streamed: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                 "text_offset": []}
+    text = ""
+    for c in client.completions.create(**ask, stream=True):
+        if c.choices:
+            text += c.choices[0].text
+            for field, values in streamed.items():
+                values += getattr(c.choices[0].logprobs, field) or []
+
+    async def reference():
+        async for out in engines.full.llm.generate(
+                {"prompt": prompt},
+                SamplingParams(max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=2),
+                "cmpl-echo-ref"):
+            final = out
+        return final
+
+    ref = loop.run(reference())
+    lp = plain.choices[0].logprobs
+    prompt_ids, answer_ids = list(ref.prompt_token_ids), list(ref.outputs[0].token_ids)
+    assert plain.choices[0].text == text == prompt + ref.outputs[0].text
+    assert len(lp.tokens) == len(prompt_ids) + len(answer_ids) == plain.usage.total_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [ref.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt_ids) if i] + \
+        [ref.outputs[0].logprobs[i][t].logprob for i, t in enumerate(answer_ids)]
+    # another engine (the agg one) on the same weights: bf16 rounding may differ slightly
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=0.02)
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        # the top 2 and the token itself, keyed by text (two ids may share one)
+        assert top[token] == logprob and 1 <= len(top) <= 3
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
+                        "top_logprobs": lp.top_logprobs, "text_offset": lp.text_offset}
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"prompt": "seven " * 3000}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "seven " * 3000}]}),

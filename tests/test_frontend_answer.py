@@ -23,6 +23,7 @@ from mmhandoff.wire.messages import (
     PrefillAnswer,
     PrefillRequest,
     PrefillStats,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
 )
@@ -531,6 +532,43 @@ def test_echo_starts_a_completion_with_its_prompt(loop):
             else:
                 text = json.loads(raw)["choices"][0]["text"]
             assert text == "Say: Hello", stream
+    finally:
+        loop.run(runner.cleanup())
+
+
+def test_echo_with_logprobs_puts_the_prompts_tokens_first(loop):
+    """Prefill's answer carries the prompt's logprobs (the first token has none); the client
+    gets them before the answer's, in vLLM's completions format, streamed or not."""
+    prompt = PromptLogprobs(first_token_id=1, first_token="<s>",
+                            rest=[_lp(2, "Say", -2.0, (2, "Say", -2.0), (3, "Do", -2.5))])
+    first = FirstToken(token_id=5, text="Hel", logprob=_lp(5, "Hel", -0.5, (5, "Hel", -0.5)))
+    answer = msgspec.to_builtins(msgspec.structs.replace(
+        msgspec.convert(handoff_answer(first=first), PrefillAnswer), prompt_logprobs=prompt))
+    rest = dict(chunk("lo", [6], "length"), logprobs=[msgspec.to_builtins(
+        _lp(6, "lo", -1.0, (6, "lo", -1.0)))])
+    runner = Frontend(Scripted([answer], [answer]), Scripted([rest], [rest]), MODEL).runner()
+    url = serve_app(loop, runner)
+    expected = {"tokens": ["<s>", "Say", "Hel", "lo"],
+                "token_logprobs": [None, -2.0, -0.5, -1.0],
+                "top_logprobs": [None, {"Say": -2.0, "Do": -2.5}, {"Hel": -0.5}, {"lo": -1.0}],
+                "text_offset": [0, 3, 6, 9]}  # token texts counted from the first, as vLLM
+    try:
+        for stream in (False, True):
+            body = json.dumps({"model": MODEL, "prompt": "Say", "max_tokens": 2, "echo": True,
+                               "logprobs": 1, "stream": stream}).encode()
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                raw = r.read().decode()
+            if stream:
+                got: dict[str, list] = {k: [] for k in expected}
+                for part in (json.loads(line[6:]) for line in raw.split("\n\n")
+                             if line.startswith("data: {")):
+                    for k in got:
+                        got[k] += part["choices"][0]["logprobs"][k]
+            else:
+                got = json.loads(raw)["choices"][0]["logprobs"]
+            assert got == expected, stream
     finally:
         loop.run(runner.cleanup())
 

@@ -260,7 +260,7 @@ UNAPPLIED_CASES = [("best_of", 3), ("prompt_logprobs", 2),
     ("chat", {"n": True}, ("invalid_sampling", "n must be")),
     ("completions", {"echo": "yes"}, ("invalid_sampling", "echo must be")),
     ("chat", {"echo": True}, ("unsupported_parameter", "echo is not supported")),
-    ("completions", {"echo": True, "logprobs": 1}, ("unsupported_parameter", "echo with")),
+    ("completions", {"echo": True, "logprobs": 1}, (1, True)),  # the prompt's logprobs too
 ])
 def test_n_and_echo_are_read_before_any_work(api, fields, expected):
     from mmhandoff.frontend.request import choices

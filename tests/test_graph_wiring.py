@@ -27,14 +27,16 @@ NO_ROUTER = {"prefill": {"router": None}}
 
 
 @pytest.mark.parametrize("target, frontend, others", [
-    ("graphs.disagg:Frontend", {"prefill": "prefill.generate", "decode": "decode.generate"},
-     NO_ROUTER),
+    ("graphs.disagg:Frontend", {"prefill": "prefill.generate", "decode": "decode.generate",
+                                "router": None}, NO_ROUTER),
     ("graphs.full_media:Frontend",
-     {"prefill": "prefill.generate", "decode": "decode.generate"}, NO_ROUTER),
-    ("graphs.agg:Frontend", {"prefill": None, "decode": "agg.generate"}, {}),
-    # prefill's handoff goes through the router, which sends it on to decode; prefill asks the
-    # router whether a decode replica holds a prompt's KV (bypass)
-    ("graphs.disagg_router:Frontend", {"prefill": "prefill.generate", "decode": "router.generate"},
+     {"prefill": "prefill.generate", "decode": "decode.generate", "router": None}, NO_ROUTER),
+    ("graphs.agg:Frontend", {"prefill": None, "decode": "agg.generate", "router": None}, {}),
+    # the frontend asks the router which prefill replica takes a request, and sends prefill's
+    # handoff through it to decode; prefill asks the router whether a decode replica holds a
+    # prompt's KV (bypass)
+    ("graphs.disagg_router:Frontend", {"prefill": "prefill.generate", "decode": "router.generate",
+                                       "router": "router.generate"},
      {"router": {"decode": "decode.generate"}, "prefill": {"router": "router.generate"}}),
 ])
 def test_each_component_is_wired_to_the_nearest_callee_serving_each_role(
@@ -68,10 +70,12 @@ def test_serve_passes_the_wiring_as_flags():
     assert (_flag(agg, "--prefill"), _flag(agg, "--decode")) == ("none", "agg.generate")
     routed = _commands("graphs.disagg_router:Frontend", "configs/disagg_router.yaml")
     assert _flag(routed["frontend"], "--decode") == "router.generate"
+    assert _flag(routed["frontend"], "--router") == "router.generate"  # it places prefill
     assert _flag(routed["router"], "--decode") == "decode.generate"
     assert _flag(routed["prefill"], "--router") == "router.generate"
     plain = _commands("graphs.disagg:Frontend", "configs/disagg.yaml")
     assert _flag(plain["prefill"], "--router") == "none"
+    assert _flag(plain["frontend"], "--router") == "none"
     assert routed["decode"][1:3] == ["-m", "mmhandoff.decode"]
 
 

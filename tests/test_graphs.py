@@ -24,6 +24,7 @@ import openai
 import pytest
 import yaml
 
+from mmhandoff.prefill.worker import VLLM_KV_LEASE_S
 from tests.conftest import data_uri, encode, make_image
 from tests.graph_runner import Graph, Servers
 
@@ -121,10 +122,18 @@ def _parameters(url: str, messages: list[dict]) -> dict:
     assert got["max_completion_tokens"][1:] == ("length", 5)
     # a prefix of the longer answer (less a character cut in its bytes at the end)
     assert text.startswith(got["max_completion_tokens"][0].rstrip("\ufffd"))
-    # sampling that leaves only the greedy token: the greedy answer, at temperature 1
+    # sampling that leaves only the likeliest tokens, at temperature 1: top_k 1 and min_p 1
+    # keep the same ones (those tied at the top, which bf16 logits of the tiny model can have;
+    # without a tie, only the greedy token), so with one seed they pick the same answer, and
+    # each of its tokens is a likeliest one (vLLM's logprobs are the model's, before sampling)
     got["top_k=1"] = ask(temperature=1, seed=3, extra_body={"ignore_eos": True, "top_k": 1})
     got["min_p=1"] = ask(temperature=1, seed=3, extra_body={"ignore_eos": True, "min_p": 1.0})
-    assert got["top_k=1"] == got["min_p=1"] == plain
+    assert got["top_k=1"] == got["min_p=1"]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                       temperature=1, seed=3, logprobs=True, top_logprobs=3,
+                                       extra_body={"ignore_eos": True, "top_k": 1})
+    assert r.choices[0].message.content == got["top_k=1"][0]
+    assert all(c.logprob == c.top_logprobs[0].logprob for c in r.choices[0].logprobs.content)
     # penalties: as the agg graph applies them (the comparison between graphs)
     got["penalties"] = ask(presence_penalty=1.5, frequency_penalty=1.0,
                            extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
@@ -149,7 +158,8 @@ def _parameters(url: str, messages: list[dict]) -> dict:
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 6 and text.startswith(
         r.choices[0].message.content.rstrip("\ufffd"))
-    assert all(c.top_logprobs[0].token == c.token and len(c.top_logprobs) == 2
+    # (a tie at the top may rank the other tied token first)
+    assert all(c.top_logprobs[0].logprob == c.logprob and len(c.top_logprobs) == 2
                and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
     got["logprobs"] = ([c.token for c in content], r.usage.completion_tokens)
     # structured outputs (vLLM's extension; OpenAI's response_format takes the same path): the
@@ -238,12 +248,14 @@ def _with_engine_args(config: str, tmp: Path, args: list[str]) -> str:
     return str(out)
 
 
-def _disagg_router(tmp: Path, policy: str = "kv") -> str:
-    """configs/disagg_router.yaml in fp32 (FP32), its router with `policy`."""
+def _disagg_router(tmp: Path, policy: str = "kv", prefills: int = 1) -> str:
+    """configs/disagg_router.yaml in fp32 (FP32), its router with `policy`, `prefills` prefill
+    replicas (one for the fault tests, which kill other components: fewer engines on 2 cores)."""
     config = _with_engine_args("configs/disagg_router.yaml", tmp, FP32)
     spec = yaml.safe_load(Path(config).read_text())
     args = spec["components"]["router"]["args"]
     args[args.index("--policy") + 1] = policy
+    spec["components"]["prefill"]["replicas"] = prefills
     out = tmp / f"{policy}-disagg_router.yaml"
     out.write_text(yaml.safe_dump(spec))
     return str(out)
@@ -368,7 +380,7 @@ def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers, tiny_m
 
 @pytest.mark.parametrize("target, config, replicas", [
     ("graphs.disagg_router:Frontend", "configs/disagg_router.yaml",
-     ["decode-0", "decode-1", "frontend-0", "prefill-0", "router-0"]),
+     ["decode-0", "decode-1", "frontend-0", "prefill-0", "prefill-1", "router-0"]),
     ("graphs.full_media:Frontend", "configs/full_media.yaml", ["decode-0", "frontend-0",
                                                               "prefill-0"]),
 ])
@@ -402,14 +414,17 @@ def test_router_and_full_media_graphs_answer_as_agg(tmp_path, image_server, agg_
 def _check_bypass(graph: Graph, agg: tuple) -> None:
     """The follow-up again (its prefix has long been on a decode replica): answered as agg
     answers it, by decode alone from its own cache; prefill's engine finished no request."""
-    before = _engine_loads(graph)["prefill-0"]["mmhandoff_engine_requests_finished_total"]
+    def prefilled() -> float:  # requests every prefill engine finished
+        return sum(load["mmhandoff_engine_requests_finished_total"]
+                   for name, load in _engine_loads(graph).items() if name.startswith("prefill"))
+
+    before = prefilled()
     (text, prompt_tokens, completion_tokens, stats), = _answers(
         graph.url, {"follow-up": FOLLOW_UP}).values()
     assert (text, prompt_tokens, completion_tokens) == agg[:3]
     assert stats["prefill"]["bypassed"] and stats["kv_tokens_pulled"] == 0, stats
     assert stats["kv_tokens_local"] > 0
-    after = _engine_loads(graph)["prefill-0"]["mmhandoff_engine_requests_finished_total"]
-    assert after == before  # both asks (plain and streamed) bypassed prefill's engine
+    assert prefilled() == before  # both asks (plain and streamed) bypassed prefill's engines
     decisions = _router_metrics(graph)
     assert decisions['mmhandoff_router_decisions_total{reason="bypass"}'] >= 2, decisions
 
@@ -602,7 +617,11 @@ def test_a_decode_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
 def test_a_router_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
     """The router is on every answer's path (it relays decode's stream): one of two router
     replicas killed -9 during 8 streams is a lost path like a lost decode replica
-    (see _killed_mid_stream); no engine holds KV afterwards."""
+    (see _killed_mid_stream); no engine holds KV once prefill's lease has passed. (Not at once:
+    a handoff whose path died with the router before decode had it is retried through prefill,
+    and its first blocks wait for the lease, since the frontend cannot tell whether a decode
+    replica is pulling them: docs/routing.md, "Why the obvious fix was not made". CI runs of
+    e9fd2b3 and 862da23 met it.)"""
     config = _disagg_router(tmp_path)
     spec = yaml.safe_load(Path(config).read_text())
     spec["components"]["router"]["replicas"] = 2
@@ -612,7 +631,7 @@ def test_a_router_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
     with graph.failing_loudly():
         _killed_mid_stream(graph, _questions(image_server)["data URI"], "router-0", "router-1",
                            agg_fp32)
-        _no_kv_held(graph)
+        _no_kv_held(graph, within_s=VLLM_KV_LEASE_S + 10)
         graph.stop()
 
 

@@ -1,10 +1,11 @@
-"""The KV-aware router on the served graph (disagg_router: one prefill, two decode replicas).
+"""The KV-aware router on the served graph (disagg_router: two prefill, two decode replicas).
 
 A seeded multi-turn trace in which every image comes back (a second conversation about it, and
 follow-up turns): for each request whose image was seen before, how much of the image's KV the
-chosen decode replica already held, read from the engine's own counter (each answer's
-`mmhandoff.kv_tokens_local`: vLLM's count of prompt tokens found in decode's prefix cache), for
-the KV policy against round robin in the same test. The answers of both runs must be equal (the
+chosen prefill replica and the chosen decode replica already held, read from the engines' own
+counters (each answer's `mmhandoff.prefill.cached_tokens` and `mmhandoff.kv_tokens_local`:
+vLLM's count of prompt tokens found in that engine's prefix cache), for the KV policy against
+round robin in the same test. The answers of both runs must be equal (the
 route changes where KV comes from, never the answer). Mid-trace the router is killed (-9): serve
 restarts it (one of two router replicas), it rebuilds its index from the workers' snapshots, and
 the hit rate holds. The KV run uses etcd for discovery and NATS for requests (real servers): the
@@ -89,7 +90,7 @@ def _run(graph: Graph, trace, kill_router_at: int | None = None):
         answers.append(text)
         stats = r.model_extra["mmhandoff"]
         if c % IMAGES in seen:
-            found.append((n, stats["kv_tokens_local"]))
+            found.append((n, stats["kv_tokens_local"], stats["prefill"]["cached_tokens"]))
         seen.add(c % IMAGES)
     return answers, found
 
@@ -101,7 +102,7 @@ def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_
     servers = Servers(tmp_path)
     try:
         for policy in ("round_robin", "kv"):
-            config, planes = _disagg_router(tmp_path, policy), {}
+            config, planes = _disagg_router(tmp_path, policy, prefills=2), {}
             if policy == "kv":  # two routers: the graph answers while one is killed, restarted;
                 spec = yaml.safe_load(Path(config).read_text())  # the kv_blocks streams go
                 spec["components"]["router"]["replicas"] = 2  # over NATS, discovery is etcd
@@ -119,20 +120,25 @@ def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_
     kv_answers, kv_found = results["kv"]
     assert kv_answers == rr_answers
 
-    def rate(found):
-        return sum(min(local, image_tokens) for _, local in found) / (image_tokens * len(found))
+    def rate(found, tier):  # tier 1: decode's count, 2: prefill's
+        return sum(min(f[tier], image_tokens) for f in found) / (image_tokens * len(found))
 
-    after_restart = [(n, local) for n, local in kv_found if n > half]
-    print(f"repeated-image KV found on the chosen replica: kv {rate(kv_found):.0%} "
-          f"({rate(after_restart):.0%} after the router's restart), round robin "
-          f"{rate(rr_found):.0%}; {len(kv_found)} requests")
+    after_restart = [f for f in kv_found if f[0] > half]
+    for name, tier in (("decode", 1), ("prefill", 2)):
+        print(f"repeated-image KV found on the chosen {name} replica: kv "
+              f"{rate(kv_found, tier):.0%} ({rate(after_restart, tier):.0%} after the router's "
+              f"restart), round robin {rate(rr_found, tier):.0%}; {len(kv_found)} requests")
     assert len(kv_found) == len(rr_found) >= 12
-    assert rate(kv_found) >= 0.9 and rate(after_restart) >= 0.9
-    assert rate(rr_found) <= 0.75
+    for tier in (1, 2):
+        assert rate(kv_found, tier) >= 0.9 and rate(after_restart, tier) >= 0.9
+        assert rate(rr_found, tier) <= 0.75
     # the routers' own account (/metrics): every decode instance indexed by each router, and
-    # decisions by overlap; round robin decides nothing itself
+    # decisions and placements by overlap; round robin decides nothing itself
     kv, rr = metrics["kv"], metrics["round_robin"]
     assert kv['mmhandoff_router_index_instances'] == 2 * 2  # two routers, two decode each
     assert kv['mmhandoff_router_decisions_total{reason="overlap"}'] >= 1
+    assert kv['mmhandoff_router_placements_total{reason="overlap"}'] >= 1
+    assert kv["mmhandoff_router_prefix_keys"] >= 2  # each router's table: the prefill streams'
+    assert rr['mmhandoff_router_placements_total{reason="round_robin"}'] == len(trace)
     assert 0 < kv["mmhandoff_router_overlap_blocks_total"] <= kv["mmhandoff_router_blocks_total"]
     assert rr['mmhandoff_router_decisions_total{reason="round_robin"}'] == len(trace)

@@ -100,6 +100,15 @@ def test_with_nothing_held_load_decides_then_turns(hasher):
     assert sorted(picks) == [20, 20, 30, 30]
 
 
+def test_load_counts_what_the_workers_publish_when_it_is_more(hasher):
+    """Another router's requests show only in what the worker published."""
+    r = _router(hasher)
+    h = _handoff(list(range(50, 70)))
+    r.decode_loads.update({10: 3, 20: 1, 30: 2})  # as the workers last published
+    r.in_flight.update({20: 4})  # this router's own streams: more than 20 published
+    assert r.pick(h) == (30, "load")
+
+
 def test_load_breaks_a_tie_in_overlap(hasher):
     r = _router(hasher)
     h = _handoff(list(range(100, 121)))
@@ -159,13 +168,20 @@ def test_a_feed_gives_a_snapshot_then_each_change_in_order():
         feed = BlockFeed(block_size=32)
         feed.apply([("stored", [1, 2, 3])])
         early = feed.handle({})
-        (snap,) = _drain(loop, early, 1)
+        snap, load = _drain(loop, early, 2)
         assert snap == {"kind": "snapshot", "hashes": [1, 2, 3], "block_size": 32}
-        feed.apply([("removed", [2]), ("stored", [4]), ("cleared", []), ("stored", [5])])
-        kinds = [(i["kind"], i["hashes"]) for i in _drain(loop, early, 4)]
-        assert kinds == [("removed", [2]), ("stored", [4]), ("cleared", []), ("stored", [5])]
+        assert msgspec.convert(load, KvBlocks) == KvBlocks(kind="load", running=0, waiting=0)
+        feed.apply([("removed", [2]), ("stored", [4]), ("cleared", [])])
+        feed.load(running=2, waiting=1)
+        feed.load(running=2, waiting=1)  # no change: nothing sent
+        feed.apply([("stored", [5])])
+        items = [msgspec.convert(i, KvBlocks) for i in _drain(loop, early, 5)]
+        assert [(i.kind, i.hashes) for i in items] == [
+            ("removed", [2]), ("stored", [4]), ("cleared", []), ("load", []), ("stored", [5])]
+        assert (items[3].running, items[3].waiting) == (2, 1)
         late = feed.handle({})
-        assert _drain(loop, late, 1)[0]["hashes"] == [5]  # a late caller gets the state now
+        snap, load = _drain(loop, late, 2)  # a late caller gets the state now
+        assert snap["hashes"] == [5] and (load["running"], load["waiting"]) == (2, 1)
         feed.close()  # a stopping worker ends every stream
         for stream in (early, late):
             with pytest.raises(StopAsyncIteration):
@@ -180,7 +196,7 @@ def test_a_caller_that_falls_behind_is_cut_off_not_buffered(monkeypatch):
     try:
         feed = BlockFeed(block_size=32)
         slow = feed.handle({})
-        _drain(loop, slow, 1)
+        _drain(loop, slow, 2)  # the snapshot and the load
         for i in range(5):
             feed.apply([("stored", [i])])
         assert len(_drain(loop, slow, 3)) == 3
@@ -219,9 +235,9 @@ class _Feeds:
 
         return stream()
 
-    def send(self, instance, kind, hashes=(), block_size=0):
-        self.queues.setdefault(instance, asyncio.Queue()).put_nowait(
-            msgspec.to_builtins(KvBlocks(kind=kind, hashes=list(hashes), block_size=block_size)))
+    def send(self, instance, kind, hashes=(), block_size=0, **load):
+        self.queues.setdefault(instance, asyncio.Queue()).put_nowait(msgspec.to_builtins(
+            KvBlocks(kind=kind, hashes=list(hashes), block_size=block_size, **load)))
 
 
 def test_the_follower_mirrors_each_instance_and_resyncs_after_a_broken_stream():
@@ -241,12 +257,14 @@ def test_the_follower_mirrors_each_instance_and_resyncs_after_a_broken_stream():
         assert index.overlap([11, 12]) == {1: 2, 2: 0}
         feeds.send(2, "stored", [11])
         feeds.send(1, "removed", [12])
+        feeds.send(1, "load", running=3, waiting=2)
         await settle()
         assert index.overlap([11, 12]) == {1: 1, 2: 1}
+        assert f.loads == {1: 5}  # the engine's running + waiting, blocks unchanged
 
         feeds.queues[1].put_nowait(None)  # instance 1's stream ends (it fell behind)
         await settle()
-        assert 1 not in index.instances()
+        assert 1 not in index.instances() and 1 not in f.loads
         feeds.send(1, "snapshot", [11, 12, 13], 32)
         f.sync(feeds.live)  # still in discovery: followed again, from a fresh snapshot
         await settle()

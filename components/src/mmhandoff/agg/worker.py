@@ -37,7 +37,8 @@ class AggWorker:
         async with aclosing(stream_answer(
                 self.engine, self.engine.request(rendered, request.sampling,
                                                  cache_salt=request.cache_salt,
-                                                 continued=len(request.continuation)),
+                                                 continued=len(request.continuation),
+                                                 prompt_logprobs=request.prompt_logprobs),
                 request.request_id, engine_request_id, kv_deadline_s=None, request_bytes=0,
                 prepare_ms=prepare_ms, t0=t0)) as chunks:
             async for chunk in chunks:

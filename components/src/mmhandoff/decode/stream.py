@@ -61,7 +61,7 @@ async def stream_answer(engine: Engine, request: Any, request_id: str, engine_re
                     kv_positions_covered=kv.get("covered", -1))
             yield DecodeChunk(request_id=request_id, token_ids=step.token_ids, text=step.text,
                               finish_reason=step.finish_reason, stats=stats,
-                              logprobs=step.logprobs)
+                              logprobs=step.logprobs, prompt_logprobs=step.prompt_logprobs)
             if step.finished:
                 return
     finally:

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 
 from mmhandoff.media.images import LoadedImage
 from mmhandoff.wire.handoff import Features, Handoff, Sampling
-from mmhandoff.wire.messages import TokenLogprob
+from mmhandoff.wire.messages import PromptLogprobs, TokenLogprob
 
 
 # In a prefill request's kv_transfer_params (with "do_remote_decode"): if its token stops the
@@ -76,6 +76,8 @@ class Step:
     kv_transfer_params: dict[str, Any] | None = None  # prefill: the blocks decode will pull
     kv_failure: str | None = None  # a KV-only request whose KV did not cover the images: why
     kv_stats: dict[str, int] = field(default_factory=dict)  # prompt tokens: local/external/covered
+    cached_tokens: int = -1  # prompt tokens found in the engine's own prefix cache (-1: unknown)
+    prompt_logprobs: PromptLogprobs | None = None  # first step only, when the request asked
 
     @property
     def finished(self) -> bool:
@@ -98,11 +100,18 @@ class Engine(Protocol):
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
                 kv_transfer_params: dict[str, Any] | None = None,
-                cache_salt: str | None = None, continued: int = 0) -> Any:
+                cache_salt: str | None = None, continued: int = 0,
+                prompt_logprobs: int | None = None) -> Any:
         """A request for `rendered` (prefill, agg, and the full-media arm). `cache_salt` goes
         into its blocks' hashes, as it does on decode (`kv_only`): prefix-cache isolation, and
         the same hashes on both engines. `continued`: the prompt's last tokens are an answer's
-        already sent (`extend`); the text streamed goes on from theirs."""
+        already sent (`extend`); the text streamed goes on from theirs. `prompt_logprobs`: the
+        first step carries the prompt's log probabilities, with this many top tokens each."""
+        ...
+
+    def block_hashes(self, rendered: Rendered, cache_salt: str | None, upto: int) -> list:
+        """The hashes this engine gives the full blocks of `rendered`'s first `upto` tokens, in
+        the form its KV events carry (what routers index)."""
         ...
 
     def discard(self, rendered: Rendered) -> None:

@@ -35,6 +35,7 @@ from mmhandoff.engine import (
 )
 from mmhandoff.media.images import LoadedImage
 from mmhandoff.wire.handoff import Features, Handoff, Sampling, Span
+from mmhandoff.wire.messages import PromptLogprobs, TokenLogprob
 
 IMAGE = "<image>"
 IMAGE_TOKENS = 4
@@ -45,6 +46,12 @@ VOCAB = 1000
 
 def _h(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big")
+
+
+def _prompt_logprobs(token_ids: list[int]) -> PromptLogprobs:
+    """A made-up but deterministic log probability per prompt token after the first."""
+    return PromptLogprobs(first_token_id=token_ids[0], first_token=f" w{token_ids[0]}", rest=[
+        TokenLogprob(token_id=t, token=f" w{t}", logprob=-1.0 - t % 5) for t in token_ids[1:]])
 
 
 def _word(word: str) -> int:
@@ -67,6 +74,7 @@ class FakeRequest:
     kv_only: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     sent_in_prompt: int = 0  # prefill's first token at the prompt's end: not pulled
+    prompt_logprobs: int | None = None
 
 
 class FakeEngine:
@@ -117,10 +125,17 @@ class FakeEngine:
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
                 kv_transfer_params: dict[str, Any] | None = None,
-                cache_salt: str | None = None, continued: int = 0) -> FakeRequest:
+                cache_salt: str | None = None, continued: int = 0,
+                prompt_logprobs: int | None = None) -> FakeRequest:
         return FakeRequest(list(rendered.token_ids), list(rendered.engine_input),
                            sampling.max_tokens if max_tokens is None else max_tokens,
-                           kv_transfer_params, stop_token_ids=list(sampling.stop_token_ids))
+                           kv_transfer_params, stop_token_ids=list(sampling.stop_token_ids),
+                           prompt_logprobs=prompt_logprobs)
+
+    def block_hashes(self, rendered: Rendered, cache_salt: str | None, upto: int) -> list:
+        ids, images = rendered.token_ids, list(rendered.engine_input)
+        return [_h("block", cache_salt, tuple(ids[:end]), tuple(images))
+                for end in range(BLOCK_SIZE, min(upto, len(ids)) + 1, BLOCK_SIZE)]
 
     def discard(self, rendered: Rendered) -> None:
         self.discarded.append(rendered)
@@ -168,6 +183,8 @@ class FakeEngine:
                 stopped = token in request.stop_token_ids
                 step = Step([token], "" if stopped else f" w{token}",
                             prompt_tokens=len(request.token_ids))
+                if k == 0 and request.prompt_logprobs is not None:
+                    step.prompt_logprobs = _prompt_logprobs(request.token_ids)
                 if stopped or k == request.max_tokens - 1:
                     step.finish_reason = "stop" if stopped else "length"
                     pulled = (len(request.token_ids) - request.sent_in_prompt

@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP frontend: checks the request, sends it to prefill, then its handoff to
 decode (or, in the agg graph, the request straight to the one worker), and streams the answer.
-It runs no model. The answer's first token is prefill's, streamed as soon as prefill answers;
-decode continues after it (`--first-token-from decode`: the older contract, decode samples it).
+It runs no model. With a router, the router picks the prefill replica first
+(frontend.placement) and the decode replica for the handoff. The answer's first token is
+prefill's, streamed as soon as prefill answers; decode continues after it
+(`--first-token-from decode`: the older contract, decode samples it).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streaming with SSE, or not), GET
 /v1/models, /health, /metrics (Prometheus). Every refusal is a 4xx with an OpenAI-style body
@@ -46,6 +48,7 @@ from mmhandoff.frontend.request import (
     stream_options,
 )
 from mmhandoff.frontend import logprobs as oai_logprobs
+from mmhandoff.frontend.placement import PrefillPlacement, image_keys
 from mmhandoff.media.fetch import FetchPolicy
 from mmhandoff.serving.runtime import RemoteError, background, call, call_one
 from mmhandoff.wire.messages import (
@@ -54,7 +57,9 @@ from mmhandoff.wire.messages import (
     DecodeChunk,
     DecodeStats,
     PrefillAnswer,
+    PrefillRequest,
     PrefillStats,
+    PromptLogprobs,
     TokenLogprob,
 )
 
@@ -86,6 +91,7 @@ class Piece:
     stats: AnswerStats | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
     index: int = 0  # which of the request's `n` answers
+    prompt_logprobs: PromptLogprobs | None = None  # an answer's first piece (echo + logprobs)
 
 
 def api_error(e: RemoteError) -> ApiError:
@@ -99,9 +105,12 @@ class Frontend:
     def __init__(self, prefill, decode, model: str, *, limits: FrontendLimits = FrontendLimits(),
                  fetch_policy: FetchPolicy = FetchPolicy(), retries: int = 1,
                  migration_limit: int = 3, stall_s: float = STALL_S,
-                 first_token_from: str = "prefill") -> None:
+                 first_token_from: str = "prefill", placement: PrefillPlacement | None = None
+                 ) -> None:
         # Dynamo clients. prefill=None: `decode` takes the request itself (the agg worker).
         self.prefill, self.decode = prefill, decode
+        # a graph with a router: it picks the prefill replica, and `decode` is the router
+        self.placement = placement
         if first_token_from not in FIRST_TOKEN_FROM:
             raise ValueError(f"first_token_from: expected one of {FIRST_TOKEN_FROM}")
         self.first_token_from = first_token_from
@@ -177,6 +186,9 @@ class Frontend:
         options = stream_options(body)  # before read() fetches any image
         n, echo = choices(body, api)
         prefill_request = await read(body)
+        if echo and prefill_request.sampling.logprobs is not None:  # the prompt's too, as vLLM
+            prefill_request = msgspec.structs.replace(
+                prefill_request, prompt_logprobs=prefill_request.sampling.logprobs)
         if client_id is not None:  # the answer's id, and every component's log line, carry it
             prefix = prefill_request.request_id.split("-", 1)[0]
             prefill_request = msgspec.structs.replace(prefill_request,
@@ -197,12 +209,15 @@ class Frontend:
                                               options, reply_id, shown)
                 texts, lasts = [shown] * n, [Piece("")] * n
                 entries: list[list[TokenLogprob]] = [[] for _ in range(n)]
+                prompts: list[PromptLogprobs | None] = [None] * n
                 async for piece in pieces:
                     texts[piece.index] += piece.text
                     lasts[piece.index] = piece
                     entries[piece.index] += piece.logprobs or []
+                    prompts[piece.index] = prompts[piece.index] or piece.prompt_logprobs
                 asked = prefill_request.sampling.logprobs is not None
-                logprobs = [oai_logprobs.for_api(api, e if asked else None) for e in entries]
+                logprobs = [oai_logprobs.for_api(api, e if asked else None, prompt=p)
+                            for e, p in zip(entries, prompts)]
                 return web.json_response(
                     _whole(api, prefill_request.request_id, self.model, texts, lasts, logprobs),
                     headers={"X-Request-Id": reply_id})
@@ -236,6 +251,9 @@ class Frontend:
             await send(_chunk(api, request_id, self.model, created, piece, options,
                               offsets[piece.index]))
             offsets[piece.index] += len(piece.text)
+            if piece.prompt_logprobs is not None:  # the prompt's tokens were counted instead
+                offsets[piece.index] = oai_logprobs.text_length(piece.prompt_logprobs,
+                                                                piece.logprobs)
 
         try:
             last = first
@@ -316,8 +334,11 @@ class Frontend:
                         else:
                             self.metrics.itl.observe(now - last_t)
                         last_t = now
+                        # the prompt's logprobs go with the answer's first piece only
+                        piece = Piece(chunk.text, chunk.finish_reason, logprobs=chunk.logprobs,
+                                      prompt_logprobs=None if generated
+                                      else chunk.prompt_logprobs)
                         generated += chunk.token_ids
-                        piece = Piece(chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)
                         # the client's prompt: prefill's, less a migration's tokens
                         prompt = (prefill_stats.prompt_tokens if prefill_stats is not None
                                   else chunk.stats.prompt_tokens if chunk.stats is not None
@@ -368,10 +389,11 @@ class Frontend:
         """The answer's chunks, decoded strictly, each with prefill's statistics (None in the agg
         graph, where the one worker takes the request itself) and whether decode streamed it
         (False: prefill's first token)."""
+        prefill_request, instance = await self._placed(prefill_request)
         request, prefill_stats, answer = msgspec.to_builtins(prefill_request), None, None
         if self.prefill is not None:
             prefilled = asyncio.ensure_future(call_one(
-                self.prefill, request, lost="prefill_failed", stall_s=self.stall_s))
+                self.prefill, request, instance, lost="prefill_failed", stall_s=self.stall_s))
             try:
                 raw = await asyncio.shield(prefilled)
             except asyncio.CancelledError:  # the client left while prefill ran
@@ -388,17 +410,22 @@ class Frontend:
                                        token_ids=[first.token_id], text=first.text,
                                        finish_reason=first.finish_reason,
                                        logprobs=None if first.logprob is None
-                                       else [first.logprob]),
+                                       else [first.logprob],
+                                       prompt_logprobs=answer.prompt_logprobs),
                            prefill_stats, False)
                     if first.finish_reason is not None:  # the answer ended at prefill
                         return
                 request = answer.for_decode()
-            finished = False
+            finished, first_chunk = False, True
             async with aclosing(call(self.decode, request, lost="decode_failed",
                                      stall_s=self.stall_s)) as chunks:
                 handed = True  # from here decode has it, or failed to get it (the lease frees)
                 async for raw_chunk in chunks:
                     chunk = _decode_chunk(raw_chunk)
+                    if first_chunk and answer is not None and answer.first is None:
+                        # decode sampled the first token: the prompt's logprobs are prefill's
+                        chunk.prompt_logprobs = answer.prompt_logprobs
+                    first_chunk = False
                     finished = chunk.finish_reason is not None
                     yield chunk, prefill_stats, True
             if not finished:  # the stream closed cleanly but the answer did not end: lost
@@ -407,6 +434,21 @@ class Frontend:
             if not handed and answer is not None and answer.needs_decode():
                 # the client left after the first token, before decode had the handoff
                 background(self._hand_over(answer))
+
+    async def _placed(self, prefill_request) -> tuple[PrefillRequest, int | None]:
+        """In a graph with a router: the request with its image keys, and the prefill instance
+        the router chose for it (None: round robin). A retry or a migration (no bypass) goes
+        round robin: the placed replica may be the one that failed."""
+        if self.placement is None:
+            return prefill_request, None
+        keys = image_keys(prefill_request)
+        prefill_request = msgspec.structs.replace(prefill_request, image_keys=keys)
+        if not prefill_request.allow_bypass or not self.placement.asks(keys):
+            return prefill_request, None
+        t0 = time.perf_counter()
+        instance = await self.placement.instance(prefill_request, keys)
+        self.metrics.placement.observe(time.perf_counter() - t0)
+        return prefill_request, instance
 
     async def _release(self, prefilled: asyncio.Future) -> None:
         """Prefill, once done, holds the blocks for decode until they are pulled or its lease
@@ -497,7 +539,7 @@ def _whole(api: str, request_id: str, model: str, texts: list[str], lasts: list[
 def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece,
            options: StreamOptions, offset: int = 0) -> dict:
     """`offset`: where the piece's text starts in the answer (completions' logprobs)."""
-    logprobs = oai_logprobs.for_api(api, piece.logprobs, offset)
+    logprobs = oai_logprobs.for_api(api, piece.logprobs, offset, prompt=piece.prompt_logprobs)
     if api == "chat":
         choice = {"index": piece.index,
                   "delta": {"content": piece.text} if piece.text else {},
@@ -539,6 +581,9 @@ def parser():
                    help="comma-separated CIDRs that image URLs may reach although not public, "
                         'e.g. "127.0.0.0/8" (default: none)')
     p.add_argument("--image-fetch-timeout-s", type=float, default=10.0)
+    p.add_argument("--router", default="none",
+                   help='the KV router\'s endpoint (e.g. router.generate), which places each '
+                        'request on a prefill replica; "none" (default): prefill round robin')
     p.add_argument("--retries", type=int, default=1,
                    help="retries through prefill when decode fails closed or a worker is lost "
                         "before decode streamed anything")
@@ -579,9 +624,17 @@ def main(argv: list[str] | None = None) -> int:
         prefill = None if args.prefill == "none" else await client(
             rt, f"{args.namespace}.{args.prefill}", args.wait_s)
         decode = await client(rt, f"{args.namespace}.{args.decode}", args.wait_s)
+        placement = None
+        if args.router != "none" and prefill is not None:
+            from mmhandoff.router.router import PLACE
+
+            component = args.router.rsplit(".", 1)[0]
+            placement = PrefillPlacement(await client(
+                rt, f"{args.namespace}.{component}.{PLACE}", args.wait_s), prefill)
         frontend = Frontend(prefill, decode, args.model_name, fetch_policy=policy,
                             retries=args.retries, migration_limit=args.migration_limit,
-                            stall_s=args.stall_timeout_s, first_token_from=args.first_token_from)
+                            stall_s=args.stall_timeout_s, first_token_from=args.first_token_from,
+                            placement=placement)
         runner = frontend.runner()
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()

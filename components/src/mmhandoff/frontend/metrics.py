@@ -49,6 +49,10 @@ class FrontendMetrics:
                                registry=r)
         self.migrations = Counter("mmhandoff_migrations", "Answers continued on another decode "
                                   "replica after the one streaming them was lost", registry=r)
+        self.placement = Histogram("mmhandoff_prefill_placement_seconds", "Time asking the "
+                                   "router which prefill replica takes a request (router.place)",
+                                   buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                                            0.025, 0.1, 1), registry=r)
         self.disconnects = Counter("mmhandoff_client_disconnects", "Streams the client left "
                                    "before the end (the request was aborted)", registry=r)
 

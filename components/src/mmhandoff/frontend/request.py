@@ -279,9 +279,6 @@ def choices(body: Any, api: str) -> tuple[int, bool]:
     if echo and api == "chat":  # vLLM's chat echo repeats the last message: another meaning
         raise ApiError(400, "echo is not supported by this server for chat completions yet",
                        "unsupported_parameter")
-    if echo and body.get("logprobs") is not None:
-        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server "
-                            "does not compute", "unsupported_parameter")
     return n, bool(echo)
 
 

@@ -19,13 +19,14 @@ import sys
 import time
 import uuid
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import msgspec
 
 from mmhandoff.engine import RELEASE_ON_STOP_KEY, Engine, EngineInputError, Rendered, Step
 from mmhandoff.media.images import ImageError, ImageLimits, data_uri_bytes
 from mmhandoff.prefill.bypass import decode_can_answer
+from mmhandoff.prefill.prefixes import image_spans, prefix_blocks
 from mmhandoff.prefill.prompt import InvalidRequest, PromptBuilder
 from mmhandoff.wire.handoff import VERSION, Handoff, sign
 from mmhandoff.wire.messages import (
@@ -34,6 +35,7 @@ from mmhandoff.wire.messages import (
     PrefillAnswer,
     PrefillRequest,
     PrefillStats,
+    PromptLogprobs,
 )
 
 __all__ = ["InvalidRequest", "PrefillError", "PrefillWorker"]
@@ -73,6 +75,9 @@ class PrefillWorker:
         self.full_media = full_media
         self.key, self.ttl_s = key, ttl_s
         self.router, self.bypass_max_tokens = router, bypass_max_tokens
+        # set by the launcher to its kv_blocks feed's: what each image key's prefix is in this
+        # engine's blocks, for the router's placement (prefill.prefixes)
+        self.publish_prefixes: Callable[[dict[str, list]], None] | None = None
 
     async def prefill(self, request: PrefillRequest) -> PrefillAnswer:
         """The answer's first token (unless `request.first_token` is False), the handoff for
@@ -96,7 +101,8 @@ class PrefillWorker:
             if attempt == 2:
                 rendered = await self._render(request, images)
             t1 = time.perf_counter()
-            final, token_ids, text, logprobs = await self._sample(request, rendered, kv_params)
+            final, token_ids, text, logprobs, prompt_lps = await self._sample(
+                request, rendered, kv_params)
             # An error with no token is the engine's retryable answer when its cache of
             # processed images drifted from the renderer's (vLLM: a render never submitted,
             # e.g. a prompt refused as too long, leaves the image marked as sent); rendering
@@ -108,24 +114,26 @@ class PrefillWorker:
         if final is None or len(token_ids) != 1:
             raise PrefillError(f"prefill of {request.request_id} sampled {len(token_ids)} tokens "
                                f"(finish reason {final and final.finish_reason})")
+        self._publish_prefixes(request, rendered)
         ended = first_token and (one_token or final.finish_reason == "stop")
         stats = PrefillStats(
             images=len(images), image_bytes=sum(i.source_bytes for i in images),
             prompt_tokens=len(rendered.token_ids), prepare_ms=(t1 - t0) * 1e3,
-            prefill_ms=(time.perf_counter() - t1) * 1e3)
+            prefill_ms=(time.perf_counter() - t1) * 1e3, cached_tokens=final.cached_tokens)
         first = (FirstToken(token_id=token_ids[0], text=text,
                             finish_reason=final.finish_reason if ended else None,
                             logprob=logprobs[0] if logprobs else None)
                  if first_token else None)
         if ended:
-            return PrefillAnswer(first=first, stats=stats)
+            return PrefillAnswer(first=first, stats=stats, prompt_logprobs=prompt_lps)
         if not final.kv_transfer_params:
             raise PrefillError(f"prefill of {request.request_id} returned no KV transfer params")
         if self.full_media:  # decode gets the media, not a handoff: nothing to build or sign
             return PrefillAnswer(stats=stats, full_media=FullMediaRequest(
                 request_id=request.request_id, prompt=self.prompts.text(request),
                 images=[data_uri_bytes(u, self.prompts.limits) for u in request.image_urls()],
-                kv_transfer_params=final.kv_transfer_params, sampling=request.sampling))
+                kv_transfer_params=final.kv_transfer_params, sampling=request.sampling),
+                prompt_logprobs=prompt_lps)
         handoff = Handoff(
             v=VERSION,
             request_id=request.request_id,
@@ -141,14 +149,15 @@ class PrefillWorker:
         )
         if self.key is not None:
             handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
-        return PrefillAnswer(first=first, handoff=handoff, stats=stats)
+        return PrefillAnswer(first=first, handoff=handoff, stats=stats, prompt_logprobs=prompt_lps)
 
     async def _bypass(self, request: PrefillRequest, rendered: Rendered) -> Handoff | None:
         """The handoff that sends `request` straight to a decode replica holding its KV
         (prefill.bypass), or None: no router, bypass off or not allowed for this request, a
         continued answer, the router away, or no replica holds enough."""
         if (self.router is None or self.bypass_max_tokens <= 0 or not request.allow_bypass
-                or request.continuation or self.full_media):
+                or request.continuation or self.full_media
+                or request.prompt_logprobs is not None):  # only this engine computes those
             return None
         handoff = Handoff(
             v=VERSION, request_id=request.request_id, model_fingerprint=self.engine.fingerprint,
@@ -165,6 +174,18 @@ class PrefillWorker:
             return None
         return sign(handoff, self.key, ttl_s=self.ttl_s) if self.key is not None else handoff
 
+    def _publish_prefixes(self, request: PrefillRequest, rendered: Rendered) -> None:
+        """Tell routers which of this engine's blocks each of the request's image keys stands
+        for (its engine now holds them in its prefix cache)."""
+        spans = image_spans(rendered.features)
+        if self.publish_prefixes is None or not spans or len(spans) != len(request.image_keys):
+            return
+        hashes = self.engine.block_hashes(rendered, request.cache_salt, upto=spans[-1][1])
+        prefixes = prefix_blocks(request.image_keys, rendered.features, hashes,
+                                 self.engine.block_size)
+        if prefixes:
+            self.publish_prefixes(prefixes)
+
     async def _render(self, request: PrefillRequest, images) -> Rendered:
         rendered = await self.engine.render(self.prompts.text(request), images)
         if request.continuation:
@@ -174,14 +195,15 @@ class PrefillWorker:
         return rendered
 
     async def _sample(self, request: PrefillRequest, rendered: Rendered, kv_params
-                      ) -> tuple[Step | None, list[int], str, list]:
+                      ) -> tuple[Step | None, list[int], str, list, PromptLogprobs | None]:
         """Prefill and its one sampled token: (last step, token ids, text, their logprobs when
-        asked)."""
+        asked, the prompt's logprobs when asked)."""
         engine_request = self.engine.request(rendered, request.sampling, max_tokens=1,
                                              kv_transfer_params=kv_params,
                                              cache_salt=request.cache_salt,
-                                             continued=len(request.continuation))
-        final, token_ids, text, logprobs = None, [], "", []
+                                             continued=len(request.continuation),
+                                             prompt_logprobs=request.prompt_logprobs)
+        final, token_ids, text, logprobs, prompt_lps = None, [], "", [], None
         engine_request_id = f"{request.request_id}:prefill:{uuid.uuid4().hex[:8]}"
         async with aclosing(self.engine.generate(engine_request, engine_request_id)) as steps:
             async for step in steps:
@@ -189,7 +211,8 @@ class PrefillWorker:
                 token_ids += step.token_ids
                 text += step.text
                 logprobs += step.logprobs or []
-        return final, token_ids, text, logprobs
+                prompt_lps = prompt_lps or step.prompt_logprobs
+        return final, token_ids, text, logprobs, prompt_lps
 
     async def handle(self, request: dict) -> AsyncIterator[dict]:
         """Dynamo endpoint handler: a PrefillRequest in its builtin form in, one PrefillAnswer

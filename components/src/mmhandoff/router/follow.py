@@ -1,4 +1,6 @@
-"""Keeps a KvIndex up to date from the workers' `kv_blocks` streams (mmhandoff.serving.block_feed).
+"""Keeps a KvIndex up to date from the workers' `kv_blocks` streams (mmhandoff.serving.block_feed),
+and each worker's engine load (requests running and waiting) and, from prefill workers, the
+blocks each image key stands for (router.prefix_table), from the same streams.
 
 One stream per live instance of the endpoint, keyed by its Dynamo instance id (the same id its
 `generate` endpoint has). A stream that ends or breaks (the worker stopped, fell behind, or the
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Callable
 
 import msgspec
 
@@ -23,13 +26,16 @@ DISCOVERY_POLL_S = 0.5  # how often the instance list is compared with the strea
 
 
 class Follower:
-    def __init__(self, feeds, index: KvIndex, block_size: int) -> None:
+    def __init__(self, feeds, index: KvIndex, block_size: int,
+                 on_prefixes: Callable[[dict[str, list]], None] | None = None) -> None:
         self.feeds = feeds  # Dynamo client of <component>.kv_blocks
+        self.on_prefixes = on_prefixes  # what a prefill worker says its image keys stand for
         self.index = index
         self.block_size = block_size
         self._streams: dict[int, asyncio.Task] = {}
         self._refused: set[int] = set()
         self._synced: set[int] = set()  # instances whose snapshot arrived on the current stream
+        self.loads: dict[int, int] = {}  # instance -> its engine's requests running + waiting
         self.snapshots = 0  # streams (re)started and synced: for tests and metrics
 
     async def ready(self, timeout_s: float) -> bool:
@@ -66,6 +72,13 @@ class Follower:
         try:
             async for item in call(self.feeds, {}, instance, lost="kv_blocks_lost"):
                 update = msgspec.convert(item, KvBlocks)
+                if update.kind == "load":
+                    self.loads[instance] = update.running + update.waiting
+                    continue
+                if update.kind == "prefixes":
+                    if self.on_prefixes is not None:
+                        self.on_prefixes(update.prefixes)
+                    continue
                 if update.kind == "snapshot":
                     if update.block_size != self.block_size:
                         self._refused.add(instance)
@@ -81,4 +94,5 @@ class Follower:
             pass  # sync() drops it and follows it again while it is alive
         finally:
             self._synced.discard(instance)
+            self.loads.pop(instance, None)
             self.index.drop(instance)

@@ -20,12 +20,24 @@ class _Collector:
         for reason, n in sorted(r.decisions.items()):
             decisions.add_metric([reason], n)
         yield decisions
+        placements = CounterMetricFamily("mmhandoff_router_placements", "Requests placed on a "
+                                         "prefill replica, by reason (overlap, load, "
+                                         "round_robin)", labels=["reason"])
+        for reason, n in sorted(r.placements.items()):
+            placements.add_metric([reason], n)
+        yield placements
+        yield GaugeMetricFamily("mmhandoff_router_prefix_keys", "Image prefixes whose engine "
+                                "blocks the router knows (learned from handoffs)",
+                                value=len(r.table))
+        yield GaugeMetricFamily("mmhandoff_router_prefill_index_blocks", "Distinct blocks the "
+                                "prefill instances hold", value=len(r.prefill_index))
         yield CounterMetricFamily("mmhandoff_router_blocks", "Full blocks of the routed prompts",
                                   value=r.blocks_total)
         yield CounterMetricFamily("mmhandoff_router_overlap_blocks", "Of those, the blocks the "
                                   "chosen replica held (by the index)", value=r.overlap_total)
         yield CounterMetricFamily("mmhandoff_router_decision_seconds", "Time spent deciding "
-                                  "(hashing, lookup, scoring)", value=r.decision_s_total)
+                                  "(hashing, lookup, scoring; placements included)",
+                                  value=r.decision_s_total)
         yield CounterMetricFamily("mmhandoff_router_lookups", "Prompts prefill asked about "
                                   "(router.held: may its engine be bypassed?)", value=r.lookups)
         yield GaugeMetricFamily("mmhandoff_router_index_blocks", "Distinct blocks in the index",

@@ -1,12 +1,19 @@
-"""Decode router: takes a handoff and streams it to the decode replica that already holds most of
-its blocks.
+"""KV router: places each request on the prefill replica and its handoff on the decode replica
+that already hold most of its blocks.
 
-The request's block hashes are computed with vLLM's own hasher under the engines' settings
-(vllm_adapter.block_hashes) and looked up in an index of what each decode instance holds, fed by
-the workers' kv_blocks streams (router.follow). Scorers rate each live instance (KV overlap,
-load; router.scorers), their weighted sum decides, and ties go to the least loaded, then in turn.
-With an empty index (just started, nothing cached yet) the overlap is 0 everywhere and load
-decides. Policy "round_robin" skips all of it (Dynamo's round robin: the baseline).
+Decode: the handoff's block hashes are computed with vLLM's own hasher under the engines'
+settings (vllm_adapter.block_hashes) and looked up in an index of what each decode instance
+holds, fed by the workers' kv_blocks streams (router.follow). Scorers rate each live instance (KV
+overlap, load: the router's own streams or the worker's published requests, whichever is more;
+router.scorers), their weighted sum decides, and ties go to the least loaded, then in turn. With an empty index (just started, nothing cached yet) the overlap is 0 everywhere and
+load decides.
+
+Prefill (router.place, asked by the frontend before prefill): the request's image keys
+(frontend.placement) name its image prefixes; the prefill workers publish which engine blocks
+each key stands for (router.prefix_table), and the prefill instances' index (their kv_blocks
+streams) says who holds them. Load there is what the prefill workers publish.
+
+Policy "round_robin" skips all of it (Dynamo's round robin: the baseline).
 """
 
 from __future__ import annotations
@@ -22,12 +29,13 @@ from typing import Any, AsyncIterator, Mapping
 import msgspec
 
 from mmhandoff.router.index import KvIndex
+from mmhandoff.router.prefix_table import PrefixTable
 from mmhandoff.router.scorers import Candidates
 from mmhandoff.router.scorers.load import LoadScorer
 from mmhandoff.router.scorers.overlap import OverlapScorer
 from mmhandoff.serving.runtime import RemoteError, call, error_envelope
 from mmhandoff.wire.handoff import Handoff, HandoffError, decode_handoff
-from mmhandoff.wire.messages import KvHeld
+from mmhandoff.wire.messages import KvHeld, Placement, PlaceRequest
 
 SCORERS = {s.name: s for s in (OverlapScorer(), LoadScorer())}
 DEFAULT_WEIGHTS = {"overlap": 1.0, "load": 0.1}
@@ -36,7 +44,8 @@ SYNC_WAIT_S = 10.0  # at start, how long the router waits for the workers' snaps
 
 
 class Router:
-    def __init__(self, decode, *, policy: str = "kv", hasher=None, index: KvIndex | None = None,
+    def __init__(self, decode, *, prefill=None, policy: str = "kv", hasher=None,
+                 index: KvIndex | None = None, prefill_index: KvIndex | None = None,
                  weights: Mapping[str, float] = DEFAULT_WEIGHTS) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
@@ -44,13 +53,20 @@ class Router:
         if unknown:
             raise ValueError(f"unknown scorers {sorted(unknown)}; known: {sorted(SCORERS)}")
         self.decode = decode  # Dynamo client of decode.generate
+        self.prefill = prefill  # Dynamo client of prefill.generate (placement), or None
         self.policy = policy
         self.hasher = hasher  # BlockHasher with the engines' settings (policy "kv")
-        self.index = index if index is not None else KvIndex()
+        self.index = index if index is not None else KvIndex()  # decode instances' blocks
+        self.prefill_index = prefill_index if prefill_index is not None else KvIndex()
+        # requests each engine runs and queues, as the workers publish them (router.follow)
+        self.prefill_loads: dict[int, int] = {}
+        self.decode_loads: dict[int, int] = {}
+        self.table = PrefixTable()  # image keys -> engine blocks, as prefill workers publish
         self.weights = {name: w for name, w in weights.items() if w}
         self.in_flight: Counter[int] = Counter()
-        self._turn = 0
+        self._turns: Counter[str] = Counter()  # per tier: who is next among equals
         self.decisions: Counter[str] = Counter()  # by reason (router.metrics)
+        self.placements: Counter[str] = Counter()  # prefill placements by reason
         self.blocks_total = self.overlap_total = 0  # the prompts' blocks; the chosen held
         self.decision_s_total = 0.0
         self.lookups = 0  # router.held calls (prefill's bypass)
@@ -64,25 +80,50 @@ class Router:
         if parsed is None:  # decode refuses it with the typed error; any replica will do
             return None, "unparsed"
         h, hashes = parsed
-        c = Candidates(live, self.index.overlap(hashes), len(hashes), dict(self.in_flight))
+        overlap = self.index.overlap(hashes)
         # prefill's bypass: a handoff that names no KV to pull can only be answered where its
         # blocks are, so the overlap alone decides (prefill.bypass)
         weights = {"overlap": 1.0} if not h.kv_transfer_params else self.weights
-        total = dict.fromkeys(live, 0.0)
+        # this router's own streams are exact at once; what the worker published also counts
+        # other routers' requests
+        load = {i: max(self.in_flight.get(i, 0), self.decode_loads.get(i, 0)) for i in live}
+        choice = self._choose("decode", Candidates(live, overlap, len(hashes), load), weights)
+        self.blocks_total += len(hashes)
+        self.overlap_total += overlap.get(choice, 0)
+        if not h.kv_transfer_params:
+            return choice, "bypass"
+        return choice, ("overlap" if overlap.get(choice, 0) else "load")
+
+    def place(self, request: PlaceRequest) -> Placement:
+        """The prefill instance for a request, before prefill: the one holding the blocks of its
+        longest image prefix the table knows (by the prefill engines' own KV events), load
+        (the workers' published requests) breaking ties. None (round robin) without image
+        keys, with one prefill instance, or under policy round_robin."""
+        live = sorted(self.prefill.instance_ids()) if self.prefill is not None else []
+        if self.policy != "kv" or len(live) < 2 or not request.image_keys:
+            return Placement()
+        hashes = self.table.deepest(request.image_keys)
+        overlap = self.prefill_index.overlap(hashes) if hashes else {}
+        load = {i: self.prefill_loads.get(i, 0) for i in live}
+        choice = self._choose("prefill", Candidates(live, overlap, len(hashes), load),
+                              self.weights)
+        held = overlap.get(choice, 0)
+        return Placement(instance=choice, reason="overlap" if held else "load",
+                         blocks_held=held, blocks=len(hashes))
+
+    def _choose(self, tier: str, c: Candidates, weights: Mapping[str, float]) -> int:
+        """The best weighted score; ties to the least loaded, then in turn."""
+        total = dict.fromkeys(c.instances, 0.0)
         for name, weight in weights.items():
             for instance, score in SCORERS[name].score(c).items():
                 total[instance] += weight * score
         best = max(total.values())
-        tied = [i for i in live if math.isclose(total[i], best)]
-        fewest = min(self.in_flight[i] for i in tied)
-        tied = [i for i in tied if self.in_flight[i] == fewest]
-        choice = tied[self._turn % len(tied)]
-        self._turn += 1
-        self.blocks_total += len(hashes)
-        self.overlap_total += c.overlap.get(choice, 0)
-        if not h.kv_transfer_params:
-            return choice, "bypass"
-        return choice, ("overlap" if c.overlap.get(choice, 0) else "load")
+        tied = [i for i in c.instances if math.isclose(total[i], best)]
+        fewest = min(c.in_flight.get(i, 0) for i in tied)
+        tied = [i for i in tied if c.in_flight.get(i, 0) == fewest]
+        choice = tied[self._turns[tier] % len(tied)]
+        self._turns[tier] += 1
+        return choice
 
     def held(self, handoff: dict) -> KvHeld:
         """The live decode instance holding most of the handoff's leading blocks (for prefill's
@@ -108,6 +149,16 @@ class Router:
     async def handle_held(self, handoff: dict) -> AsyncIterator[dict[str, Any]]:
         self.lookups += 1
         yield msgspec.to_builtins(self.held(handoff))
+
+    async def handle_place(self, request: dict) -> AsyncIterator[dict[str, Any]]:
+        t0 = time.perf_counter()
+        try:
+            placement = self.place(msgspec.convert(request, PlaceRequest))
+        except msgspec.ValidationError:
+            placement = Placement()  # the frontend's own message: round robin, never an error
+        self.decision_s_total += time.perf_counter() - t0
+        self.placements[placement.reason] += 1
+        yield msgspec.to_builtins(placement)
 
     async def handle(self, handoff: dict) -> AsyncIterator[dict[str, Any]]:
         t0 = time.perf_counter()
@@ -141,6 +192,7 @@ def _weights(text: str) -> dict[str, float]:
 
 ENDPOINT = "router.generate"
 HELD = "held"  # the second endpoint, <component>.held: which replica holds a prompt's blocks
+PLACE = "place"  # the third, <component>.place: which prefill replica takes a request
 
 
 def parser():
@@ -151,6 +203,9 @@ def parser():
     p.add_argument("--namespace", default="mmhandoff")
     p.add_argument("--decode", default="decode.generate",
                    help="the decode endpoint it routes to (serve wires it from the graph)")
+    p.add_argument("--prefill", default="prefill.generate",
+                   help="the prefill endpoint whose replicas it places requests on (router.place; "
+                        "its workers' kv_blocks streams tell what each holds)")
     p.add_argument("--wait-s", type=float, default=600, help="how long to wait for decode")
     p.add_argument("--policy", choices=POLICIES, default="kv",
                    help="kv: the replica holding most of the request's blocks (default); "
@@ -180,21 +235,32 @@ def main(argv: list[str] | None = None) -> int:
         start_not_ready()
         rt = runtime(asyncio.get_running_loop())
         decode = await client(rt, f"{args.namespace}.{args.decode}", args.wait_s)
-        router = Router(decode, policy=args.policy, weights=args.weights,
+        # prefill starts after the router (it asks the router): its instances come and go
+        prefill = await rt.endpoint(f"{args.namespace}.{args.prefill}").client()
+        router = Router(decode, prefill=prefill, policy=args.policy, weights=args.weights,
                         hasher=BlockHasher(args.block_size, seed=args.block_hash_seed))
-        component = args.decode.rsplit(".", 1)[0]
-        feeds = await rt.endpoint(f"{args.namespace}.{component}.{KV_BLOCKS}").client()
-        follow = follower = None
+        # every endpoint is taken before any is served (serving/registration.py)
+        own = ENDPOINT.rsplit(".", 1)[0]
+        endpoints = {name: rt.endpoint(f"{args.namespace}.{own}.{name}")
+                     for name in ("generate", HELD, PLACE)}
+        follows, follower = [], None
         if args.policy == "kv":
-            follower = Follower(feeds, router.index, args.block_size)
-            follow = asyncio.ensure_future(follower.run())
+            followers = []
+            for tier, index in ((args.decode, router.index), (args.prefill, router.prefill_index)):
+                component = tier.rsplit(".", 1)[0]
+                feeds = await rt.endpoint(f"{args.namespace}.{component}.{KV_BLOCKS}").client()
+                followers.append(Follower(feeds, index, args.block_size,
+                                          on_prefixes=router.table.update))
+            follower, prefill_follower = followers
+            router.decode_loads, router.prefill_loads = follower.loads, prefill_follower.loads
+            follows = [asyncio.ensure_future(f.run()) for f in followers]
             if not await follower.ready(SYNC_WAIT_S):
                 print(f"[router] not every decode instance's blocks arrived in {SYNC_WAIT_S:g} "
                       f"s; routing by load until they do", file=sys.stderr, flush=True)
-        publish_router_metrics(rt.endpoint(f"{args.namespace}.{ENDPOINT}"), router, follower)
-        served = serve(rt, f"{args.namespace}.{ENDPOINT}", router.handle, ())
-        held_path = f"{args.namespace}.{ENDPOINT.rsplit('.', 1)[0]}.{HELD}"
-        serving_held = serve(rt, held_path, router.handle_held, ())
+        publish_router_metrics(endpoints["generate"], router, follower)
+        served = [serve(rt, f"{args.namespace}.{own}.{name}", handler, (), endpoint=endpoints[name])
+                  for name, handler in (("generate", router.handle), (HELD, router.handle_held),
+                                        (PLACE, router.handle_place))]
         rt.set_health_status(True)
         print(f"[{args.namespace}.{ENDPOINT}] ready", file=sys.stderr, flush=True)
         stop = asyncio.Event()
@@ -202,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
         rt.set_health_status(False)
-        if follow is not None:
+        for follow in follows:
             follow.cancel()
         rt.shutdown()
-        await asyncio.wait([served, serving_held], timeout=30)
+        await asyncio.wait(served, timeout=30)
         return 0
 
     return run_loop(run())

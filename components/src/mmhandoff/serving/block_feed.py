@@ -1,11 +1,12 @@
 """A worker's `kv_blocks` endpoint: the blocks its engine holds, for routers.
 
-A stream per caller: first a snapshot of every block the engine holds, then each change in the
-engine's order, from its KV events (vLLM's ZMQ publisher on an abstract-namespace IPC socket: no
-port, no file). A router that starts late or restarts calls again and gets the whole picture from
-the holder of the truth, so nothing has to be replayed from a log, with or without NATS; a worker
-that stops ends its streams, and routers forget its blocks. A caller that falls behind by
-`MAX_BEHIND` changes has its stream ended (it calls again for a fresh snapshot) instead of
+A stream per caller: first a snapshot of every block the engine holds, the engine's load (requests
+running and waiting) and (prefill) the blocks of the image prefixes it computed lately, then each
+change in the engine's order, from its KV events (vLLM's ZMQ publisher on an abstract-namespace IPC
+socket: no port, no file). A router that starts late or restarts calls again and gets the whole
+picture from the holder of the truth, so nothing has to be replayed from a log, with or without
+NATS; a worker that stops ends its streams, and routers forget its blocks. A caller that falls
+behind by `MAX_BEHIND` changes has its stream ended (it calls again for a fresh snapshot) instead of
 growing this worker's memory.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from collections import OrderedDict
 from typing import AsyncIterator
 
 import msgspec
@@ -22,6 +24,7 @@ from mmhandoff.wire.messages import KvBlocks
 
 ENDPOINT = "kv_blocks"
 MAX_BEHIND = 10_000
+MAX_PREFIXES = 1024  # image prefixes kept for snapshots (the router keeps more: prefix_table)
 
 
 def events_endpoint() -> str:
@@ -35,6 +38,9 @@ class BlockFeed:
         self._held: set = set()
         self._queues: set[asyncio.Queue] = set()
         self._closed = False
+        self._load = (0, 0)  # requests running, waiting
+        # image key -> its prefix's block hashes (prefill workers), latest last
+        self._prefixes: OrderedDict[str, list] = OrderedDict()
 
     def apply(self, changes) -> None:
         """(kind, hashes) changes in order (vllm_adapter.kv_events.changes); on the loop."""
@@ -45,13 +51,35 @@ class BlockFeed:
                 self._held.update(hashes)
             else:
                 self._held.difference_update(hashes)
-            item = msgspec.to_builtins(KvBlocks(kind=kind, hashes=hashes))
-            for q in list(self._queues):
-                if q.qsize() >= MAX_BEHIND:
-                    self._queues.discard(q)
-                    q.put_nowait(None)  # the caller catches up with a new snapshot
-                else:
-                    q.put_nowait(item)
+            self._send(msgspec.to_builtins(KvBlocks(kind=kind, hashes=hashes)))
+
+    def load(self, running: int, waiting: int) -> None:
+        """The engine's requests as of its last step; sent when they change. On the loop."""
+        if (running, waiting) != self._load:
+            self._load = (running, waiting)
+            self._send(self._load_item())
+
+    def prefixes(self, prefixes: dict[str, list]) -> None:
+        """What image keys stand for in this engine's blocks (prefill.prefixes); kept for the
+        snapshots of routers that come later (the `MAX_PREFIXES` latest). On the loop."""
+        for key, hashes in prefixes.items():
+            self._prefixes[key] = hashes
+            self._prefixes.move_to_end(key)
+        while len(self._prefixes) > MAX_PREFIXES:
+            self._prefixes.popitem(last=False)
+        self._send(msgspec.to_builtins(KvBlocks(kind="prefixes", prefixes=prefixes)))
+
+    def _load_item(self) -> dict:
+        running, waiting = self._load
+        return msgspec.to_builtins(KvBlocks(kind="load", running=running, waiting=waiting))
+
+    def _send(self, item: dict) -> None:
+        for q in list(self._queues):
+            if q.qsize() >= MAX_BEHIND:
+                self._queues.discard(q)
+                q.put_nowait(None)  # the caller catches up with a new snapshot
+            else:
+                q.put_nowait(item)
 
     def held(self) -> int:
         return len(self._held)
@@ -64,6 +92,9 @@ class BlockFeed:
         try:
             yield msgspec.to_builtins(KvBlocks(kind="snapshot", hashes=list(self._held),
                                                block_size=self.block_size))
+            yield self._load_item()
+            if self._prefixes:
+                yield msgspec.to_builtins(KvBlocks(kind="prefixes", prefixes=dict(self._prefixes)))
             while (item := await q.get()) is not None:
                 yield item
         finally:

@@ -8,8 +8,9 @@ component also runs alone. Replicas, arguments and environment come from the gra
 The links are the request's path, and the only place the wiring is written: a component that
 calls others gets, for each role it calls, the endpoint of the first component down its links
 that serves that role (`wiring`); `serve` passes them as `--<role> <endpoint>`. So the frontend
-of `frontend -> prefill -> router -> decode` sends prefill's handoff to the router, and the
-router sends it to decode (prefill asks the router too, for its bypass); in `frontend -> agg`
+of `frontend -> prefill -> router -> decode` asks the router which prefill replica takes a
+request, sends prefill's handoff to the router, and the router sends it to decode (prefill asks
+the router too, for its bypass); in `frontend -> agg`
 there is no prefill (`--prefill none`), and in `frontend -> prefill -> decode` no router
 (prefill gets `--router none`).
 """
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 # router takes handoffs for decode, and answers prefill which replica holds a prompt's KV.
 SERVES = {"prefill": ("prefill",), "decode": ("decode",), "agg": ("decode",),
           "router": ("decode", "router")}
-CALLS = {"frontend": ("prefill", "decode"), "router": ("decode",), "prefill": ("router",)}
+CALLS = {"frontend": ("prefill", "decode", "router"), "router": ("decode",),
+         "prefill": ("router",)}
 
 
 @dataclass(eq=False)

@@ -169,9 +169,20 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     # the blocks the engine holds, for routers (started before requests can come)
     feed, subscriber, _ = block_feed.start_feed(
         rt, path.rsplit(".", 1)[0], events, spec.extra.get("block_size", spec.block_size))
+    loop = asyncio.get_running_loop()
+
+    def publish_load() -> None:  # routers balance by it (kv_blocks streams)
+        try:
+            loop.call_soon_threadsafe(feed.load, load.num_running, load.num_waiting)
+        except RuntimeError:  # the loop has closed: the worker is stopping
+            pass
+
+    load.on_change = publish_load
     worker = make_worker(engine, args, rt)
     if inspect.isawaitable(worker):
         worker = await worker
+    if hasattr(worker, "publish_prefixes"):  # prefill: image prefixes, for routers' placement
+        worker.publish_prefixes = feed.prefixes
     # the first client's request as fast as the rest: the engine's one-time costs, then the
     # worker's own path
     await engine.warm_up()

@@ -172,12 +172,12 @@ def background(coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
     return task
 
 
-async def call_one(c, request: Any, *, lost: str = "internal",
+async def call_one(c, request: Any, instance_id: int | None = None, *, lost: str = "internal",
                    stall_s: float | None = None) -> Any:
     """The answer of an endpoint that yields exactly one item, as soon as it arrives. The end of
     its stream comes ~0.5-1 ms later (measured on the 2-core machine); it is awaited in the
     background instead of on the request's path."""
-    items = call(c, request, lost=lost, stall_s=stall_s)
+    items = call(c, request, instance_id, lost=lost, stall_s=stall_s)
     try:
         item = await anext(items)
     except StopAsyncIteration:

@@ -231,7 +231,8 @@ def start_engine(spec: EngineSpec, load=None):
     # when it stops.
     ipc_dir = tempfile.mkdtemp(prefix="mmhandoff-vllm-ipc-")
     try:
-        return VllmEngine(start_llm(spec, load, ipc_dir), ipc_dir)
+        return VllmEngine(start_llm(spec, load, ipc_dir), ipc_dir,
+                          block_hash_seed=spec.block_hash_seed)
     except BaseException:
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise

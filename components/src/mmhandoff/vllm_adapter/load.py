@@ -9,6 +9,7 @@ the engine. The values are as of the engine's last step.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -21,6 +22,8 @@ class EngineLoad:
         self.generation_tokens = 0  # generated since start, all requests
         self.requests_finished = 0  # requests the engine finished since start (any reason)
         self.updated_at = 0.0  # time.monotonic() of the last step seen; 0: none yet
+        # called (on the engine's output loop) when running or waiting changes
+        self.on_change: Callable[[], None] | None = None
 
     def logger_factory(self):
         load = self
@@ -31,10 +34,14 @@ class EngineLoad:
 
             def record(self, scheduler_stats, iteration_stats, *args, **kwargs) -> None:
                 if scheduler_stats is not None:
+                    before = load.num_running, load.num_waiting
                     load.kv_cache_usage = scheduler_stats.kv_cache_usage
                     load.num_running = scheduler_stats.num_running_reqs
                     load.num_waiting = scheduler_stats.num_waiting_reqs
                     load.updated_at = time.monotonic()
+                    if load.on_change is not None and before != (load.num_running,
+                                                                 load.num_waiting):
+                        load.on_change()
                 if iteration_stats is not None:
                     load.generation_tokens += iteration_stats.num_generation_tokens
                     load.requests_finished += len(iteration_stats.finished_requests)

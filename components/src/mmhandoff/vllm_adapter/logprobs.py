@@ -1,4 +1,5 @@
-"""vLLM's per-token log probabilities as the wire's TokenLogprob.
+"""vLLM's per-token log probabilities as the wire's TokenLogprob (sampled tokens) and
+PromptLogprobs (the prompt's).
 
 vLLM gives, for each sampled position, a dict {token id: Logprob(logprob, rank, decoded_token)}
 holding the sampled token and the `logprobs` most likely ones (ranks 1..k); the sampled token
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from mmhandoff.wire.messages import TokenLogprob, TopLogprob
+from mmhandoff.wire.messages import PromptLogprobs, TokenLogprob, TopLogprob
 
 
 def token_logprobs(positions: Sequence[Any], token_ids: Sequence[int], k: int,
@@ -29,3 +30,11 @@ def token_logprobs(positions: Sequence[Any], token_ids: Sequence[int], k: int,
             top=[TopLogprob(token_id=tid, token=text(tid, lp), logprob=lp.logprob)
                  for _, tid, lp in ranked]))
     return out
+
+
+def prompt_logprobs(token_ids: Sequence[int], positions: Sequence[Any], k: int,
+                    decode: Callable[[int], str]) -> PromptLogprobs:
+    """The prompt's log probabilities: vLLM's `prompt_logprobs` has None for the first token
+    (nothing precedes it), then one dict per token as for sampled ones."""
+    return PromptLogprobs(first_token_id=token_ids[0], first_token=decode(token_ids[0]),
+                          rest=token_logprobs(positions[1:], token_ids[1:], k, decode))

@@ -5,9 +5,11 @@ from __future__ import annotations
 import shutil
 from typing import Any, AsyncIterator, Sequence
 
+import msgspec
+
 from mmhandoff.engine import Capabilities, EngineInputError, Rendered, Step
 from mmhandoff.media.images import LoadedImage
-from mmhandoff.vllm_adapter.logprobs import token_logprobs
+from mmhandoff.vllm_adapter.logprobs import prompt_logprobs, token_logprobs
 from mmhandoff.vllm_adapter.positions import GridMemo, grid_merge, rendered_grids
 from mmhandoff.vllm_adapter.inputs import (
     forget_sent,
@@ -56,7 +58,7 @@ def check_blocks(handoff: Handoff, block_size: int) -> None:
 
 
 class VllmEngine:
-    def __init__(self, llm, ipc_dir: str | None = None) -> None:
+    def __init__(self, llm, ipc_dir: str | None = None, block_hash_seed: int = 0) -> None:
         self.llm = llm  # vLLM's AsyncLLM: for the adapter and the engine-tier tests only
         self.ipc_dir = ipc_dir  # its sockets' files: the engine's own (start_engine)
         mc = llm.model_config
@@ -72,6 +74,8 @@ class VllmEngine:
         self._tokenizer = llm.renderer.get_tokenizer()
         self._tasks: tuple | None = None  # vLLM's supported tasks: an engine RPC, asked once
         self.block_size = llm.vllm_config.cache_config.block_size
+        self._block_hash_seed = block_hash_seed  # its core's PYTHONHASHSEED (engine_env)
+        self._hasher = None  # BlockHasher, made on first use (block_hashes)
         self._refused = _client_errors()
 
     def chat_prompt(self, conversation: list[dict[str, Any]]) -> str:
@@ -99,12 +103,29 @@ class VllmEngine:
             raise EngineInputError(str(e)) from None
         return Rendered(r.token_ids, r.features, r.engine_input, first_sent=fresh)
 
+    def block_hashes(self, rendered: Rendered, cache_salt: str | None, upto: int) -> list:
+        if self._hasher is None:
+            from mmhandoff.vllm_adapter.block_hashes import BlockHasher
+
+            self._hasher = BlockHasher(
+                self.block_size, seed=self._block_hash_seed,
+                hash_algo=self.llm.vllm_config.cache_config.prefix_caching_hash_algo)
+        f = rendered.features
+        images = sorted(((digest, span.offset, span.length)
+                         for modality, digests in f.mm_hashes.items()
+                         for digest, span in zip(digests, f.mm_placeholders.get(modality, []))
+                         if span.offset < upto), key=lambda item: item[1])  # prompt order
+        return self._hasher.hashes(rendered.token_ids[:upto], images, cache_salt=cache_salt)
+
     def discard(self, rendered: Rendered) -> None:
         forget_sent(self.llm, rendered.first_sent)
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,
                 kv_transfer_params: dict[str, Any] | None = None,
-                cache_salt: str | None = None, continued: int = 0) -> Any:
+                cache_salt: str | None = None, continued: int = 0,
+                prompt_logprobs: int | None = None) -> Any:
+        if prompt_logprobs is not None:  # vLLM then computes the whole prompt: no cache reads
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=prompt_logprobs)
         try:
             params = sampling_params(sampling, max_tokens=max_tokens,
                                      kv_transfer_params=kv_transfer_params)
@@ -171,6 +192,11 @@ class VllmEngine:
                 text = completion.text if completion else ""
                 step = Step(ids[sent_ids:], text[sent_text:],
                             prompt_tokens=len(output.prompt_token_ids or ()))
+                if params.prompt_logprobs is not None and output.prompt_logprobs is not None \
+                        and not sent_ids:  # the first output carries them
+                    step.prompt_logprobs = prompt_logprobs(
+                        output.prompt_token_ids, output.prompt_logprobs, params.prompt_logprobs,
+                        lambda tid: self._tokenizer.decode([tid]))
                 if params.logprobs is not None and completion is not None:
                     step.logprobs = token_logprobs(
                         completion.logprobs[sent_ids:len(ids)], step.token_ids,
@@ -182,6 +208,7 @@ class VllmEngine:
                     step.kv_transfer_params = output.kv_transfer_params
                     step.kv_failure = kv_coverage_cause(output)
                     step.kv_stats = kv_stats(output)
+                    step.cached_tokens = output.num_cached_tokens or 0
                 if text_of is not None:
                     # a stop token, not a stop string (vLLM's stop_reason: an id, or None: EOS)
                     stop_token = step.finish_reason == "stop" and not isinstance(

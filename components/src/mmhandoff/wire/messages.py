@@ -55,6 +55,12 @@ class PrefillRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Prefill may skip its engine when a decode replica already holds the prompt's KV (the
     # router's bypass, docs/routing.md). False: the frontend's retry after such a handoff failed.
     allow_bypass: bool = True
+    # the prompt's log probabilities with this many top tokens each (completions' echo with
+    # logprobs): computed by the engine that computes the prompt (prefill, or agg)
+    prompt_logprobs: int | None = None
+    # one per image, naming its prefix (frontend.placement.image_keys), in a graph with a router:
+    # prefill publishes which of its engine's blocks each stands for, for the router's placement
+    image_keys: list[str] = []
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (not self.messages):
@@ -74,6 +80,8 @@ class PrefillStats(msgspec.Struct, kw_only=True):
     # the handoff names no KV to pull: decode's prefix cache holds the prompt through its last
     # image, and prefill's engine never saw the request (docs/routing.md, "Prefill bypass")
     bypassed: bool = False
+    # prompt tokens prefill's engine found in its own prefix cache (vLLM's count; -1: unknown)
+    cached_tokens: int = -1
 
 
 class FullMediaRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -103,6 +111,15 @@ class TokenLogprob(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top: list[TopLogprob] = []
 
 
+class PromptLogprobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The prompt's tokens with their log probabilities (completions' `echo` with `logprobs`):
+    the first token has none (nothing precedes it), each later one its TokenLogprob."""
+
+    first_token_id: int
+    first_token: str
+    rest: list[TokenLogprob] = []
+
+
 class FirstToken(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The answer's first token, sampled by prefill. `finish_reason` set: the answer ends with it
     (a stop token, or `max_tokens` 1) and nothing goes to decode. `logprob`: when the request
@@ -124,6 +141,7 @@ class PrefillAnswer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     handoff: Handoff | None = None
     full_media: FullMediaRequest | None = None
     stats: PrefillStats
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked
 
     def __post_init__(self) -> None:
         ended = self.first is not None and self.first.finish_reason is not None
@@ -161,6 +179,7 @@ class DecodeChunk(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     stats: DecodeStats | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # agg's first chunk, when the request asked
 
 
 class AnswerStats(DecodeStats, kw_only=True):
@@ -194,15 +213,24 @@ class ErrorEnvelope(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     error: RemoteFault
 
 
-class KvBlocks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class KvBlocks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """One item of a worker's `kv_blocks` stream (mmhandoff.serving.block_feed): the first is the
     whole picture (`snapshot`: every block its engine holds now), each later one a change, in the
     engine's order: blocks `stored`, blocks `removed`, or every block gone (`cleared`, an engine
-    that reset its prefix cache). Hashes are the engine's own, as its KV events give them."""
+    that reset its prefix cache), and between them the engine's `load` when it changes and (prefill)
+    the blocks of image `prefixes` it computed. Hashes are the engine's own, as its KV events give
+    them."""
 
-    kind: Literal["snapshot", "stored", "removed", "cleared"]
+    kind: Literal["snapshot", "stored", "removed", "cleared", "load", "prefixes"]
     hashes: list[int | bytes] = []
     block_size: int = 0  # in a snapshot: the engine's, which a router must hash with
+    # kind "load" (after the snapshot, then on every change): the engine's requests running and
+    # waiting as of its last step, what routers balance by
+    running: int = 0
+    waiting: int = 0
+    # kind "prefixes" (prefill workers; after the load, then for each request with image keys):
+    # image key -> the engine's hashes of the prompt's full blocks through that image
+    prefixes: dict[str, list[int | bytes]] = {}
 
 
 class KvHeld(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -211,6 +239,26 @@ class KvHeld(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     holds, and the prompt's full blocks."""
 
     instance: int | None = None
+    blocks_held: int = 0
+    blocks: int = 0
+
+
+class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What the frontend asks router.place before prefill: which prefill replica should take a
+    request. `image_keys`: one per image in prompt order, each identifying everything the
+    rendered prompt holds up to that image's end (frontend.placement.image_keys)."""
+
+    request_id: str
+    image_keys: list[str] = []
+
+
+class Placement(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """router.place's answer: the prefill instance to send the request to (None: any, Dynamo's
+    round robin), why (`overlap`: it holds the blocks of the request's longest known image
+    prefix; `load`: nothing known is held anywhere; `round_robin`), and its overlap."""
+
+    instance: int | None = None
+    reason: str = "round_robin"
     blocks_held: int = 0
     blocks: int = 0
 

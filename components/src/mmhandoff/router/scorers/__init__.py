@@ -15,7 +15,7 @@ class Candidates:
     instances: Sequence[int]  # live instances, in a stable order
     overlap: dict[int, int] = field(default_factory=dict)  # leading blocks each holds
     blocks: int = 0  # full blocks of the request's prompt
-    in_flight: dict[int, int] = field(default_factory=dict)  # this router's open streams
+    in_flight: dict[int, int] = field(default_factory=dict)  # requests each has (scorers.load)
 
 
 class Scorer(Protocol):

@@ -1,10 +1,11 @@
-"""Load: prefer the instance with the fewest requests in flight from this router.
+"""Load: prefer the instance with the fewest requests in flight.
 
     score(i) = 1 - in_flight(i) / (max_j in_flight(j) + 1)
 
-1.0 for an idle instance; never 0, so that load alone never rules an instance out. Counts are
-this router's own open streams (exact for one router; with several routers, each balances its
-share).
+1.0 for an idle instance; never 0, so that load alone never rules an instance out. in_flight:
+for decode, this router's own open streams to the instance or the requests its engine runs and
+queues as its worker last published them, whichever is more; for prefill (whose requests do not
+pass through the router), the published count alone (router.Router).
 """
 
 from __future__ import annotations

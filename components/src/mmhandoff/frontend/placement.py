@@ -1,0 +1,83 @@
+"""Which prefill replica takes a request: the frontend asks the router (router.place) before
+prefill, with an identity of each image's prefix that costs no image decode.
+
+`image_keys(request)`: one key per image, in prompt order. Key i hashes what the rendered prompt
+holds up to image i's end, as the client sent it: the cache salt, each message's role and text,
+and the bytes of every image up to and including image i. A chat template renders messages in
+order, so two requests with the same key i share the prompt, and so the engine's KV blocks,
+through image i. The router learns which engine blocks a key stands for from the handoffs it
+routes (router.prefix_table) and places the next request with that key on the prefill replica
+that holds them (a template that looked ahead would only make placement worse, never an answer
+wrong: a route decides where KV is computed, not what).
+
+A repeated image is recognised here when its bytes are the same: the same file fetched again, or the
+same data URI (its media type included). The same pixels in other bytes (re-encoded, resized) are
+still found by each engine's own prefix cache (vLLM hashes decoded pixels), but do not steer the
+placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import msgspec
+from blake3 import blake3
+
+from mmhandoff.serving.runtime import call_one
+from mmhandoff.wire.messages import ImagePart, Placement, PlaceRequest, PrefillRequest
+
+PLACE_TIMEOUT_S = 1.0  # a router slower than this is skipped: Dynamo's round robin instead
+_PERSON = b"mmhandoff image prefix v1\0"  # the keys' format: change it when what they cover does
+
+
+def image_keys(request: PrefillRequest) -> list[str]:
+    """One hex key per image of a chat request (none for a raw completions prompt)."""
+    chain = blake3(_PERSON)
+    chain.update(b"salt\0" + (request.cache_salt or "").encode() + b"\0")
+    keys = []
+    for message in request.messages:
+        chain.update(b"role\0" + message.role.encode() + b"\0")
+        for part in message.parts():
+            if isinstance(part, ImagePart):
+                # the data URI (the frontend made every URL one) stands for the image's bytes;
+                # blake3: ~4x sha256's speed, and no copy but the encoding
+                chain.update(b"image\0" + blake3(part.image_url.url.encode()).digest())
+                keys.append(chain.copy().hexdigest(16))
+            else:
+                text = part.text.encode()
+                chain.update(b"text\0" + len(text).to_bytes(8, "little") + text)
+    return keys
+
+
+class PrefillPlacement:
+    """Asks router.place for a request's prefill instance. The router is a hint: when it is
+    away, slow or names an instance that has gone, the request goes round robin."""
+
+    def __init__(self, place, prefill, timeout_s: float = PLACE_TIMEOUT_S) -> None:
+        self.place, self.prefill = place, prefill  # Dynamo clients: router.place, prefill
+        self.timeout_s = timeout_s
+        self._warned = False
+
+    def asks(self, keys: list[str]) -> bool:
+        """Whether there is anything to ask: an image to name, and replicas to choose from."""
+        return bool(keys) and len(self.prefill.instance_ids()) >= 2
+
+    async def instance(self, request: PrefillRequest, keys: list[str]) -> int | None:
+        if not self.asks(keys):
+            return None
+        ask = msgspec.to_builtins(PlaceRequest(request_id=request.request_id, image_keys=keys))
+        try:
+            raw = await asyncio.wait_for(call_one(self.place, ask, lost="router_failed"),
+                                         self.timeout_s)
+            placement = msgspec.convert(raw, Placement)
+        except Exception as e:  # noqa: BLE001 (any failure: round robin, said once)
+            if not self._warned:
+                self._warned = True
+                print(f"[frontend] router.place failed ({e!r}): prefill round robin until it "
+                      f"answers", file=sys.stderr, flush=True)
+            return None
+        self._warned = False
+        if placement.instance not in self.prefill.instance_ids():
+            return None
+        return placement.instance
