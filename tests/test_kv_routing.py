@@ -24,7 +24,14 @@ import yaml
 
 from tests.conftest import data_uri, encode, make_image
 from tests.graph_runner import Graph, Servers
-from tests.test_graphs import MODEL, _client, _disagg_router, _restarted, _router_metrics
+from tests.test_graphs import (
+    MODEL,
+    _client,
+    _disagg_router,
+    _metric,
+    _restarted,
+    _router_metrics,
+)
 
 pytestmark = pytest.mark.graph
 
@@ -98,7 +105,7 @@ def _run(graph: Graph, trace, kill_router_at: int | None = None):
 def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_tokens):
     trace = _trace(13)
     half = len(trace) // 2
-    results, metrics = {}, {}
+    results, metrics, asks = {}, {}, {}
     servers = Servers(tmp_path)
     try:
         for policy in ("round_robin", "kv"):
@@ -113,6 +120,9 @@ def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_
                 results[policy] = _run(graph, trace,
                                        kill_router_at=half if policy == "kv" else None)
                 metrics[policy] = _router_metrics(graph)
+                # the frontend's asks to router.place: one per request (two prefill replicas)
+                asks[policy] = [_metric(graph.url, f"mmhandoff_prefill_placement_seconds_{s}")
+                                for s in ("count", "sum")]
                 graph.stop()
     finally:
         servers.close()
@@ -128,6 +138,9 @@ def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_
         print(f"repeated-image KV found on the chosen {name} replica: kv "
               f"{rate(kv_found, tier):.0%} ({rate(after_restart, tier):.0%} after the router's "
               f"restart), round robin {rate(rr_found, tier):.0%}; {len(kv_found)} requests")
+    for policy, (n, took) in asks.items():
+        assert n == len(trace), (policy, n)
+        print(f"router.place, asked by the frontend ({policy}): {took / n * 1e3:.2f} ms mean")
     assert len(kv_found) == len(rr_found) >= 12
     for tier in (1, 2):
         assert rate(kv_found, tier) >= 0.9 and rate(after_restart, tier) >= 0.9

@@ -168,9 +168,8 @@ def test_a_feed_gives_a_snapshot_then_each_change_in_order():
         feed = BlockFeed(block_size=32)
         feed.apply([("stored", [1, 2, 3])])
         early = feed.handle({})
-        snap, load = _drain(loop, early, 2)
+        (snap,) = _drain(loop, early, 1)
         assert snap == {"kind": "snapshot", "hashes": [1, 2, 3], "block_size": 32}
-        assert msgspec.convert(load, KvBlocks) == KvBlocks(kind="load", running=0, waiting=0)
         feed.apply([("removed", [2]), ("stored", [4]), ("cleared", [])])
         feed.load(running=2, waiting=1)
         feed.load(running=2, waiting=1)  # no change: nothing sent
@@ -179,9 +178,13 @@ def test_a_feed_gives_a_snapshot_then_each_change_in_order():
         assert [(i.kind, i.hashes) for i in items] == [
             ("removed", [2]), ("stored", [4]), ("cleared", []), ("load", []), ("stored", [5])]
         assert (items[3].running, items[3].waiting) == (2, 1)
+        feed.prefixes({"k": [4, 5]})
         late = feed.handle({})
-        snap, load = _drain(loop, late, 2)  # a late caller gets the state now
-        assert snap["hashes"] == [5] and (load["running"], load["waiting"]) == (2, 1)
+        (snap,) = _drain(loop, late, 1)  # a late caller gets the state now, in one message
+        assert msgspec.convert(snap, KvBlocks) == KvBlocks(
+            kind="snapshot", hashes=[5], block_size=32, running=2, waiting=1,
+            prefixes={"k": [4, 5]})
+        assert _drain(loop, early, 1)[0] == {"kind": "prefixes", "prefixes": {"k": [4, 5]}}
         feed.close()  # a stopping worker ends every stream
         for stream in (early, late):
             with pytest.raises(StopAsyncIteration):
@@ -196,7 +199,7 @@ def test_a_caller_that_falls_behind_is_cut_off_not_buffered(monkeypatch):
     try:
         feed = BlockFeed(block_size=32)
         slow = feed.handle({})
-        _drain(loop, slow, 2)  # the snapshot and the load
+        _drain(loop, slow, 1)
         for i in range(5):
             feed.apply([("stored", [i])])
         assert len(_drain(loop, slow, 3)) == 3
@@ -260,7 +263,7 @@ def test_the_follower_mirrors_each_instance_and_resyncs_after_a_broken_stream():
         feeds.send(1, "load", running=3, waiting=2)
         await settle()
         assert index.overlap([11, 12]) == {1: 1, 2: 1}
-        assert f.loads == {1: 5}  # the engine's running + waiting, blocks unchanged
+        assert f.loads == {1: 5, 2: 0}  # running + waiting (a snapshot has them too)
 
         feeds.queues[1].put_nowait(None)  # instance 1's stream ends (it fell behind)
         await settle()

@@ -15,6 +15,7 @@ contract: prefill's token is dropped and decode samples the first token. With a 
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 import uuid
@@ -114,7 +115,10 @@ class PrefillWorker:
         if final is None or len(token_ids) != 1:
             raise PrefillError(f"prefill of {request.request_id} sampled {len(token_ids)} tokens "
                                f"(finish reason {final and final.finish_reason})")
-        self._publish_prefixes(request, rendered)
+        if self.publish_prefixes is not None and request.image_keys:
+            # after the answer is on its way: hashing the prompt's blocks is not on its path
+            asyncio.get_running_loop().call_soon(self._publish_prefixes, self.publish_prefixes,
+                                                 request, rendered)
         ended = first_token and (one_token or final.finish_reason == "stop")
         stats = PrefillStats(
             images=len(images), image_bytes=sum(i.source_bytes for i in images),
@@ -174,17 +178,18 @@ class PrefillWorker:
             return None
         return sign(handoff, self.key, ttl_s=self.ttl_s) if self.key is not None else handoff
 
-    def _publish_prefixes(self, request: PrefillRequest, rendered: Rendered) -> None:
+    def _publish_prefixes(self, publish: Callable[[dict[str, list]], None],
+                          request: PrefillRequest, rendered: Rendered) -> None:
         """Tell routers which of this engine's blocks each of the request's image keys stands
         for (its engine now holds them in its prefix cache)."""
         spans = image_spans(rendered.features)
-        if self.publish_prefixes is None or not spans or len(spans) != len(request.image_keys):
+        if not spans or len(spans) != len(request.image_keys):
             return
         hashes = self.engine.block_hashes(rendered, request.cache_salt, upto=spans[-1][1])
         prefixes = prefix_blocks(request.image_keys, rendered.features, hashes,
                                  self.engine.block_size)
         if prefixes:
-            self.publish_prefixes(prefixes)
+            publish(prefixes)
 
     async def _render(self, request: PrefillRequest, images) -> Rendered:
         rendered = await self.engine.render(self.prompts.text(request), images)

@@ -72,12 +72,11 @@ class Follower:
         try:
             async for item in call(self.feeds, {}, instance, lost="kv_blocks_lost"):
                 update = msgspec.convert(item, KvBlocks)
-                if update.kind == "load":
+                if update.kind in ("load", "snapshot"):
                     self.loads[instance] = update.running + update.waiting
-                    continue
-                if update.kind == "prefixes":
-                    if self.on_prefixes is not None:
-                        self.on_prefixes(update.prefixes)
+                if update.prefixes and self.on_prefixes is not None:  # prefixes, or a snapshot
+                    self.on_prefixes(update.prefixes)
+                if update.kind in ("load", "prefixes"):
                     continue
                 if update.kind == "snapshot":
                     if update.block_size != self.block_size:

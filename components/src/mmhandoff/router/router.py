@@ -254,9 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             follower, prefill_follower = followers
             router.decode_loads, router.prefill_loads = follower.loads, prefill_follower.loads
             follows = [asyncio.ensure_future(f.run()) for f in followers]
-            if not await follower.ready(SYNC_WAIT_S):
-                print(f"[router] not every decode instance's blocks arrived in {SYNC_WAIT_S:g} "
-                      f"s; routing by load until they do", file=sys.stderr, flush=True)
+            synced = await asyncio.gather(*(f.ready(SYNC_WAIT_S) for f in followers))
+            for tier, ok in zip(("decode", "prefill"), synced):
+                if not ok:
+                    print(f"[router] not every {tier} instance's blocks arrived in "
+                          f"{SYNC_WAIT_S:g} s; routing by load until they do", file=sys.stderr,
+                          flush=True)
         publish_router_metrics(endpoints["generate"], router, follower)
         served = [serve(rt, f"{args.namespace}.{own}.{name}", handler, (), endpoint=endpoints[name])
                   for name, handler in (("generate", router.handle), (HELD, router.handle_held),

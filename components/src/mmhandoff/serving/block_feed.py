@@ -57,7 +57,8 @@ class BlockFeed:
         """The engine's requests as of its last step; sent when they change. On the loop."""
         if (running, waiting) != self._load:
             self._load = (running, waiting)
-            self._send(self._load_item())
+            self._send(msgspec.to_builtins(KvBlocks(kind="load", running=running,
+                                                    waiting=waiting)))
 
     def prefixes(self, prefixes: dict[str, list]) -> None:
         """What image keys stand for in this engine's blocks (prefill.prefixes); kept for the
@@ -68,10 +69,6 @@ class BlockFeed:
         while len(self._prefixes) > MAX_PREFIXES:
             self._prefixes.popitem(last=False)
         self._send(msgspec.to_builtins(KvBlocks(kind="prefixes", prefixes=prefixes)))
-
-    def _load_item(self) -> dict:
-        running, waiting = self._load
-        return msgspec.to_builtins(KvBlocks(kind="load", running=running, waiting=waiting))
 
     def _send(self, item: dict) -> None:
         for q in list(self._queues):
@@ -90,11 +87,11 @@ class BlockFeed:
             return
         self._queues.add(q)
         try:
-            yield msgspec.to_builtins(KvBlocks(kind="snapshot", hashes=list(self._held),
-                                               block_size=self.block_size))
-            yield self._load_item()
-            if self._prefixes:
-                yield msgspec.to_builtins(KvBlocks(kind="prefixes", prefixes=dict(self._prefixes)))
+            # one message: a router that has it has the whole picture (router.follow)
+            running, waiting = self._load
+            yield msgspec.to_builtins(KvBlocks(
+                kind="snapshot", hashes=list(self._held), block_size=self.block_size,
+                running=running, waiting=waiting, prefixes=dict(self._prefixes)))
             while (item := await q.get()) is not None:
                 yield item
         finally:

@@ -215,21 +215,21 @@ class ErrorEnvelope(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class KvBlocks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """One item of a worker's `kv_blocks` stream (mmhandoff.serving.block_feed): the first is the
-    whole picture (`snapshot`: every block its engine holds now), each later one a change, in the
-    engine's order: blocks `stored`, blocks `removed`, or every block gone (`cleared`, an engine
-    that reset its prefix cache), and between them the engine's `load` when it changes and (prefill)
-    the blocks of image `prefixes` it computed. Hashes are the engine's own, as its KV events give
-    them."""
+    whole picture (`snapshot`: every block its engine holds now, its load and its latest image
+    prefixes), each later one a change, in the engine's order: blocks `stored`, blocks `removed`,
+    or every block gone (`cleared`, an engine that reset its prefix cache), and between them the
+    engine's `load` when it changes and (prefill) the blocks of image `prefixes` it computed.
+    Hashes are the engine's own, as its KV events give them."""
 
     kind: Literal["snapshot", "stored", "removed", "cleared", "load", "prefixes"]
     hashes: list[int | bytes] = []
     block_size: int = 0  # in a snapshot: the engine's, which a router must hash with
-    # kind "load" (after the snapshot, then on every change): the engine's requests running and
-    # waiting as of its last step, what routers balance by
+    # in a snapshot, and kind "load" on every change: the engine's requests running and waiting
+    # as of its last step, what routers balance by
     running: int = 0
     waiting: int = 0
-    # kind "prefixes" (prefill workers; after the load, then for each request with image keys):
-    # image key -> the engine's hashes of the prompt's full blocks through that image
+    # in a snapshot (the latest ones), and kind "prefixes" for each request with image keys
+    # (prefill workers): image key -> the engine's hashes of the full blocks through that image
     prefixes: dict[str, list[int | bytes]] = {}
 
 
