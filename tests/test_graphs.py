@@ -181,6 +181,17 @@ def _parameters(url: str, messages: list[dict]) -> dict:
     with pytest.raises(openai.BadRequestError) as e:
         ask(logit_bias={"99999": 5})
     assert e.value.body["code"] == "invalid_request"
+    # completions' echo with logprobs: the prompt's tokens first (the first with none), then the
+    # answer's, each token's logprob the one its top entries give it
+    prompt = "USER: Name a colour. ASSISTANT:"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                  echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(prompt) and lp.token_logprobs[0] is None
+    assert len(lp.tokens) == r.usage.total_tokens == r.usage.prompt_tokens + 4
+    assert all(top[token] == logprob for token, logprob, top
+               in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    got["echo, logprobs"] = (r.choices[0].text, lp.tokens)
     for refused, kw in (("best_of", {"extra_body": {"best_of": 2}}),
                         ("prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}})):
         with pytest.raises(openai.BadRequestError) as e:

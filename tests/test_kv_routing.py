@@ -15,13 +15,14 @@ workers' kv_blocks streams cross NATS; the round-robin run uses the one-host def
 from __future__ import annotations
 
 import os
-import random
 import signal
 from pathlib import Path
 
 import pytest
 import yaml
 
+from benchmarks.kv_routing_trace import IMAGES, next_turn
+from benchmarks.kv_routing_trace import trace as _trace
 from tests.conftest import data_uri, encode, make_image
 from tests.graph_runner import Graph, Servers
 from tests.test_graphs import (
@@ -35,23 +36,8 @@ from tests.test_graphs import (
 
 pytestmark = pytest.mark.graph
 
-IMAGES, CONVERSATIONS, TURNS = 6, 12, 2  # conversation c is about image c % IMAGES
 BLOCK = 32  # the engines' KV block size (EngineSpec's default; the YAML's router agrees)
 SIZE = (64, 48)
-
-
-def _trace(seed: int) -> list[tuple[int, int]]:
-    """(conversation, turn) in a seeded interleaving; each conversation's turns in order."""
-    rng = random.Random(seed)
-    left = {c: 0 for c in range(CONVERSATIONS)}
-    order = []
-    while left:
-        c = rng.choice(sorted(left))
-        order.append((c, left[c]))
-        left[c] += 1
-        if left[c] == TURNS:
-            del left[c]
-    return order
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +70,9 @@ def _run(graph: Graph, trace, kill_router_at: int | None = None):
         if n == kill_router_at:
             os.kill(graph.replica_pids()["router-0"], signal.SIGKILL)
             _restarted(graph, "router-0")
-        if turn == 0:
-            history[c] = [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": uris[c % IMAGES]}},
-                {"type": "text", "text": f"Question {c}?"}]}]
-        else:
-            history[c].append({"role": "user", "content": "Tell me more."})
-        r = client.chat.completions.create(model=MODEL, messages=history[c], max_tokens=8,
-                                           temperature=0, extra_body={"ignore_eos": True})
+        r = client.chat.completions.create(
+            model=MODEL, messages=next_turn(history, c, turn, uris), max_tokens=8,
+            temperature=0, extra_body={"ignore_eos": True})
         text = r.choices[0].message.content
         history[c].append({"role": "assistant", "content": text})
         answers.append(text)
@@ -149,6 +130,8 @@ def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_
     # decisions and placements by overlap; round robin decides nothing itself
     kv, rr = metrics["kv"], metrics["round_robin"]
     assert kv['mmhandoff_router_index_instances'] == 2 * 2  # two routers, two decode each
+    for tier in ("decode", "prefill"):  # every live instance's blocks in each router's index
+        assert kv[f'mmhandoff_router_instances_unsynced{{tier="{tier}"}}'] == 0
     assert kv['mmhandoff_router_decisions_total{reason="overlap"}'] >= 1
     assert kv['mmhandoff_router_placements_total{reason="overlap"}'] >= 1
     assert kv["mmhandoff_router_prefix_keys"] >= 2  # each router's table: the prefill streams'

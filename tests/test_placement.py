@@ -148,14 +148,19 @@ def test_a_malformed_place_request_is_answered_with_round_robin(hasher):
 
 
 class _Place:
-    def __init__(self, answer=None, delay_s=0.0, fail=False):
-        self.answer, self.delay_s, self.fail = answer, delay_s, fail
+    """A Dynamo client of router.place whose first `fail` calls fail at once."""
+
+    def __init__(self, answer=None, delay_s=0.0, fail=0):
+        self.answer, self.delay_s, self.fail, self.calls = answer, delay_s, fail, 0
 
     async def round_robin(self, request, context=None):
+        self.calls += 1
+        failing = self.calls <= self.fail
+
         async def stream():
             await asyncio.sleep(self.delay_s)
-            if self.fail:
-                raise RuntimeError("no instances")
+            if failing:
+                raise RuntimeError("no responders")
             yield _Annotated(msgspec.to_builtins(self.answer))
         return stream()
 
@@ -169,12 +174,14 @@ def test_the_frontend_goes_round_robin_when_the_router_is_no_help():
         return asyncio.run(PrefillPlacement(place, prefill, timeout_s=0.2).instance(request, keys))
 
     assert instance(_Place(Placement(instance=20, reason="overlap"))) == 20
+    # a killed router instance still in discovery: the next one answers
+    assert instance(_Place(Placement(instance=20, reason="overlap"), fail=1)) == 20
     assert instance(_Place(Placement(instance=20), delay_s=5)) is None  # too slow
-    assert instance(_Place(fail=True)) is None  # away
+    assert instance(_Place(fail=2)) is None  # away
     assert instance(_Place(Placement(instance=99, reason="load"))) is None  # gone meanwhile
     assert instance(_Place(Placement(instance=20)), keys=[]) is None  # nothing to ask about
     prefill.ids = [20]  # one replica: nothing to choose, nothing asked
-    assert instance(_Place(fail=True)) is None
+    assert instance(_Place(fail=2)) is None
 
 
 def test_what_prefill_publishes_reaches_a_routers_table_through_the_feed(loop):

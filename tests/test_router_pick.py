@@ -30,6 +30,13 @@ def test_overlap_score_is_the_share_of_the_prompts_blocks_held():
     assert OverlapScorer().score(Candidates([1, 2], blocks=0)) == {1: 0.0, 2: 0.0}
 
 
+def test_kv_usage_score_is_the_free_share_of_the_kv_cache():
+    from mmhandoff.router.scorers.kv_usage import KvUsageScorer
+
+    c = Candidates([1, 2, 3], kv_usage={1: 0.25, 2: 1.0})
+    assert KvUsageScorer().score(c) == {1: 0.75, 2: 0.0, 3: 1.0}  # 3: not heard from yet
+
+
 def test_load_score_prefers_the_idle_and_never_rules_one_out():
     c = Candidates([1, 2, 3], in_flight={1: 3, 2: 1})
     assert LoadScorer().score(c) == {1: 1 - 3 / 4, 2: 1 - 1 / 4, 3: 1.0}
@@ -109,6 +116,13 @@ def test_load_counts_what_the_workers_publish_when_it_is_more(hasher):
     assert r.pick(h) == (30, "load")
 
 
+def test_kv_usage_weighs_when_the_yaml_gives_it_a_weight(hasher):
+    h = _handoff(list(range(50, 70)))
+    r = _router(hasher, weights={"overlap": 1, "kv_usage": 0.5})
+    r.decode_kv_usage.update({10: 0.9, 20: 0.2, 30: 0.5})
+    assert r.pick(h) == (20, "load")  # nothing held: the emptiest KV cache
+
+
 def test_load_breaks_a_tie_in_overlap(hasher):
     r = _router(hasher)
     h = _handoff(list(range(100, 121)))
@@ -142,6 +156,23 @@ def test_held_names_the_replica_with_the_most_leading_blocks(hasher):
     assert r.held({"v": 1, "token_ids": "x"}) == KvHeld()
 
 
+def test_the_random_policy_picks_every_live_replica_whatever_it_holds(hasher):
+    """The benchmarks' second baseline: a seeded uniform choice, on both tiers."""
+    from mmhandoff.wire.messages import PlaceRequest
+
+    r = _router(hasher, policy="random")
+    r.prefill = _Instances([1, 2])
+    h = _handoff(list(range(100, 121)))
+    r.index.stored(30, _blocks(r, h))  # ignored
+    picks = [r.pick(h) for _ in range(40)]
+    assert {reason for _, reason in picks} == {"random"}
+    assert {i for i, _ in picks} == {10, 20, 30}
+    placed = [r.place(PlaceRequest(request_id="r", image_keys=["k"])) for _ in range(20)]
+    assert {p.instance for p in placed} == {1, 2} and {p.reason for p in placed} == {"random"}
+    again = _router(hasher, policy="random")
+    assert [again.pick(h) for _ in range(40)] == picks  # seeded: the same choices each run
+
+
 def test_round_robin_policy_one_replica_and_an_unreadable_handoff_leave_it_to_dynamo(hasher):
     assert _router(hasher, policy="round_robin").pick(_handoff([1] * 9)) == (None, "round_robin")
     assert _router(hasher, ids=(10,)).pick(_handoff([1] * 9)) == (None, "round_robin")
@@ -169,20 +200,21 @@ def test_a_feed_gives_a_snapshot_then_each_change_in_order():
         feed.apply([("stored", [1, 2, 3])])
         early = feed.handle({})
         (snap,) = _drain(loop, early, 1)
-        assert snap == {"kind": "snapshot", "hashes": [1, 2, 3], "block_size": 32}
+        assert msgspec.convert(snap, KvBlocks) == KvBlocks(kind="snapshot", hashes=[1, 2, 3],
+                                                           block_size=32)
         feed.apply([("removed", [2]), ("stored", [4]), ("cleared", [])])
-        feed.load(running=2, waiting=1)
-        feed.load(running=2, waiting=1)  # no change: nothing sent
+        feed.load(running=2, waiting=1, kv_usage=0.5)
+        feed.load(running=2, waiting=1, kv_usage=0.6)  # the same requests: nothing sent
         feed.apply([("stored", [5])])
         items = [msgspec.convert(i, KvBlocks) for i in _drain(loop, early, 5)]
         assert [(i.kind, i.hashes) for i in items] == [
             ("removed", [2]), ("stored", [4]), ("cleared", []), ("load", []), ("stored", [5])]
-        assert (items[3].running, items[3].waiting) == (2, 1)
+        assert (items[3].running, items[3].waiting, items[3].kv_usage) == (2, 1, 0.5)
         feed.prefixes({"k": [4, 5]})
         late = feed.handle({})
         (snap,) = _drain(loop, late, 1)  # a late caller gets the state now, in one message
         assert msgspec.convert(snap, KvBlocks) == KvBlocks(
-            kind="snapshot", hashes=[5], block_size=32, running=2, waiting=1,
+            kind="snapshot", hashes=[5], block_size=32, running=2, waiting=1, kv_usage=0.5,
             prefixes={"k": [4, 5]})
         assert _drain(loop, early, 1)[0] == {"kind": "prefixes", "prefixes": {"k": [4, 5]}}
         feed.close()  # a stopping worker ends every stream
@@ -255,19 +287,21 @@ def test_the_follower_mirrors_each_instance_and_resyncs_after_a_broken_stream():
         feeds.live = {1, 2}
         feeds.send(1, "snapshot", [11, 12], 32)
         feeds.send(2, "snapshot", [21], 32)
+        assert f.unsynced() == 2  # nothing arrived yet: the index is stale for both
         f.sync(feeds.live)
         await settle()
-        assert index.overlap([11, 12]) == {1: 2, 2: 0}
+        assert index.overlap([11, 12]) == {1: 2, 2: 0} and f.unsynced() == 0
         feeds.send(2, "stored", [11])
         feeds.send(1, "removed", [12])
-        feeds.send(1, "load", running=3, waiting=2)
+        feeds.send(1, "load", running=3, waiting=2, kv_usage=0.25)
         await settle()
         assert index.overlap([11, 12]) == {1: 1, 2: 1}
         assert f.loads == {1: 5, 2: 0}  # running + waiting (a snapshot has them too)
+        assert f.kv_usage == {1: 0.25, 2: 0.0}
 
         feeds.queues[1].put_nowait(None)  # instance 1's stream ends (it fell behind)
         await settle()
-        assert 1 not in index.instances() and 1 not in f.loads
+        assert 1 not in index.instances() and 1 not in f.loads and f.unsynced() == 1
         feeds.send(1, "snapshot", [11, 12, 13], 32)
         f.sync(feeds.live)  # still in discovery: followed again, from a fresh snapshot
         await settle()

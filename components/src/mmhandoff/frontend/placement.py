@@ -24,7 +24,7 @@ import sys
 import msgspec
 from blake3 import blake3
 
-from mmhandoff.serving.runtime import call_one
+from mmhandoff.serving.runtime import RemoteError, call_one
 from mmhandoff.wire.messages import ImagePart, Placement, PlaceRequest, PrefillRequest
 
 PLACE_TIMEOUT_S = 1.0  # a router slower than this is skipped: Dynamo's round robin instead
@@ -52,7 +52,9 @@ def image_keys(request: PrefillRequest) -> list[str]:
 
 class PrefillPlacement:
     """Asks router.place for a request's prefill instance. The router is a hint: when it is
-    away, slow or names an instance that has gone, the request goes round robin."""
+    away, slow or names an instance that has gone, the request goes round robin. A router
+    instance that fails at once (one killed, still in discovery until its lease ends) is asked
+    no more for this request: the next one is (Dynamo's round robin), within the same time."""
 
     def __init__(self, place, prefill, timeout_s: float = PLACE_TIMEOUT_S) -> None:
         self.place, self.prefill = place, prefill  # Dynamo clients: router.place, prefill
@@ -68,9 +70,7 @@ class PrefillPlacement:
             return None
         ask = msgspec.to_builtins(PlaceRequest(request_id=request.request_id, image_keys=keys))
         try:
-            raw = await asyncio.wait_for(call_one(self.place, ask, lost="router_failed"),
-                                         self.timeout_s)
-            placement = msgspec.convert(raw, Placement)
+            placement = await asyncio.wait_for(self._ask(ask), self.timeout_s)
         except Exception as e:  # noqa: BLE001 (any failure: round robin, said once)
             if not self._warned:
                 self._warned = True
@@ -81,3 +81,11 @@ class PrefillPlacement:
         if placement.instance not in self.prefill.instance_ids():
             return None
         return placement.instance
+
+    async def _ask(self, ask: dict) -> Placement:
+        """router.place's answer, from the next router instance if the first fails."""
+        try:
+            raw = await call_one(self.place, ask, lost="router_failed")
+        except RemoteError:  # that instance is gone or failing: Dynamo's next one
+            raw = await call_one(self.place, ask, lost="router_failed")
+        return msgspec.convert(raw, Placement)

@@ -36,6 +36,7 @@ class Follower:
         self._refused: set[int] = set()
         self._synced: set[int] = set()  # instances whose snapshot arrived on the current stream
         self.loads: dict[int, int] = {}  # instance -> its engine's requests running + waiting
+        self.kv_usage: dict[int, float] = {}  # instance -> the share of its KV cache held
         self.snapshots = 0  # streams (re)started and synced: for tests and metrics
 
     async def ready(self, timeout_s: float) -> bool:
@@ -49,6 +50,11 @@ class Follower:
             return True
         except TimeoutError:
             return False
+
+    def unsynced(self) -> int:
+        """Live instances whose blocks the index does not have yet (a stream being started or
+        restarted after a break): the index is stale for them."""
+        return len(set(self.feeds.instance_ids()) - self._synced - self._refused)
 
     async def run(self) -> None:
         try:
@@ -74,6 +80,7 @@ class Follower:
                 update = msgspec.convert(item, KvBlocks)
                 if update.kind in ("load", "snapshot"):
                     self.loads[instance] = update.running + update.waiting
+                    self.kv_usage[instance] = update.kv_usage
                 if update.prefixes and self.on_prefixes is not None:  # prefixes, or a snapshot
                     self.on_prefixes(update.prefixes)
                 if update.kind in ("load", "prefixes"):
@@ -94,4 +101,5 @@ class Follower:
         finally:
             self._synced.discard(instance)
             self.loads.pop(instance, None)
+            self.kv_usage.pop(instance, None)
             self.index.drop(instance)

@@ -8,21 +8,21 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class _Collector:
-    def __init__(self, router, follower) -> None:
-        self.router, self.follower = router, follower
+    def __init__(self, router, followers: dict) -> None:
+        self.router, self.followers = router, followers  # {tier: Follower}
 
     def collect(self):
         r = self.router
         decisions = CounterMetricFamily("mmhandoff_router_decisions", "Handoffs routed, by "
                                         "reason (overlap, load, bypass: prefill skipped, "
-                                        "round_robin, unparsed)",
+                                        "round_robin, random, unparsed)",
                                         labels=["reason"])
         for reason, n in sorted(r.decisions.items()):
             decisions.add_metric([reason], n)
         yield decisions
         placements = CounterMetricFamily("mmhandoff_router_placements", "Requests placed on a "
                                          "prefill replica, by reason (overlap, load, "
-                                         "round_robin)", labels=["reason"])
+                                         "round_robin, random)", labels=["reason"])
         for reason, n in sorted(r.placements.items()):
             placements.add_metric([reason], n)
         yield placements
@@ -44,14 +44,25 @@ class _Collector:
                                 value=len(r.index))
         yield GaugeMetricFamily("mmhandoff_router_index_instances", "Decode instances indexed",
                                 value=len(r.index.instances()))
-        if self.follower is not None:
-            yield CounterMetricFamily("mmhandoff_router_snapshots", "kv_blocks streams (re)started "
-                                      "from a worker's snapshot", value=self.follower.snapshots)
+        if self.followers:
+            snapshots = CounterMetricFamily("mmhandoff_router_snapshots", "kv_blocks streams "
+                                            "(re)started from a worker's snapshot, by tier",
+                                            labels=["tier"])
+            unsynced = GaugeMetricFamily("mmhandoff_router_instances_unsynced", "Live instances "
+                                         "whose blocks the index lacks (a stream starting, or "
+                                         "resyncing after a break or falling behind), by tier",
+                                         labels=["tier"])
+            for tier, follower in sorted(self.followers.items()):
+                snapshots.add_metric([tier], follower.snapshots)
+                unsynced.add_metric([tier], follower.unsynced())
+            yield snapshots
+            yield unsynced
 
 
-def publish_router_metrics(endpoint, router, follower) -> None:
-    """Append the router's metrics to the /metrics of the runtime that serves `endpoint`."""
+def publish_router_metrics(endpoint, router, followers: dict) -> None:
+    """Append the router's metrics to the /metrics of the runtime that serves `endpoint`;
+    `followers`: {tier: Follower} (none under policy round_robin)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(router, follower))
+    registry.register(_Collector(router, followers))
     endpoint.metrics.register_prometheus_expfmt_callback(
         lambda: generate_latest(registry).decode())

@@ -5,21 +5,24 @@ Decode: the handoff's block hashes are computed with vLLM's own hasher under the
 settings (vllm_adapter.block_hashes) and looked up in an index of what each decode instance
 holds, fed by the workers' kv_blocks streams (router.follow). Scorers rate each live instance (KV
 overlap, load: the router's own streams or the worker's published requests, whichever is more;
-router.scorers), their weighted sum decides, and ties go to the least loaded, then in turn. With an empty index (just started, nothing cached yet) the overlap is 0 everywhere and
-load decides.
+router.scorers), their weighted sum decides, and ties go to the least loaded, then in turn.
+With an empty index (just started, nothing cached yet) the overlap is 0 everywhere and load
+decides.
 
 Prefill (router.place, asked by the frontend before prefill): the request's image keys
 (frontend.placement) name its image prefixes; the prefill workers publish which engine blocks
 each key stands for (router.prefix_table), and the prefill instances' index (their kv_blocks
 streams) says who holds them. Load there is what the prefill workers publish.
 
-Policy "round_robin" skips all of it (Dynamo's round robin: the baseline).
+Policy "round_robin" skips all of it (Dynamo's round robin: the baseline); "random" picks
+uniformly, seeded (the benchmarks' other baseline).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import random
 import signal
 import sys
 import time
@@ -31,15 +34,16 @@ import msgspec
 from mmhandoff.router.index import KvIndex
 from mmhandoff.router.prefix_table import PrefixTable
 from mmhandoff.router.scorers import Candidates
+from mmhandoff.router.scorers.kv_usage import KvUsageScorer
 from mmhandoff.router.scorers.load import LoadScorer
 from mmhandoff.router.scorers.overlap import OverlapScorer
 from mmhandoff.serving.runtime import RemoteError, call, error_envelope
 from mmhandoff.wire.handoff import Handoff, HandoffError, decode_handoff
 from mmhandoff.wire.messages import KvHeld, Placement, PlaceRequest
 
-SCORERS = {s.name: s for s in (OverlapScorer(), LoadScorer())}
+SCORERS = {s.name: s for s in (OverlapScorer(), LoadScorer(), KvUsageScorer())}
 DEFAULT_WEIGHTS = {"overlap": 1.0, "load": 0.1}
-POLICIES = ("kv", "round_robin")
+POLICIES = ("kv", "round_robin", "random")
 SYNC_WAIT_S = 10.0  # at start, how long the router waits for the workers' snapshots
 
 
@@ -58,13 +62,17 @@ class Router:
         self.hasher = hasher  # BlockHasher with the engines' settings (policy "kv")
         self.index = index if index is not None else KvIndex()  # decode instances' blocks
         self.prefill_index = prefill_index if prefill_index is not None else KvIndex()
-        # requests each engine runs and queues, as the workers publish them (router.follow)
+        # requests each engine runs and queues, and the share of its KV cache they hold, as the
+        # workers publish them (router.follow)
         self.prefill_loads: dict[int, int] = {}
         self.decode_loads: dict[int, int] = {}
+        self.prefill_kv_usage: dict[int, float] = {}
+        self.decode_kv_usage: dict[int, float] = {}
         self.table = PrefixTable()  # image keys -> engine blocks, as prefill workers publish
         self.weights = {name: w for name, w in weights.items() if w}
         self.in_flight: Counter[int] = Counter()
         self._turns: Counter[str] = Counter()  # per tier: who is next among equals
+        self._random = random.Random(0)  # policy "random": the benchmarks' baseline, seeded
         self.decisions: Counter[str] = Counter()  # by reason (router.metrics)
         self.placements: Counter[str] = Counter()  # prefill placements by reason
         self.blocks_total = self.overlap_total = 0  # the prompts' blocks; the chosen held
@@ -76,6 +84,8 @@ class Router:
         live = sorted(self.decode.instance_ids())
         if self.policy == "round_robin" or len(live) < 2:
             return None, "round_robin"
+        if self.policy == "random":
+            return self._random.choice(live), "random"
         parsed = self._hashed(handoff)
         if parsed is None:  # decode refuses it with the typed error; any replica will do
             return None, "unparsed"
@@ -87,7 +97,8 @@ class Router:
         # this router's own streams are exact at once; what the worker published also counts
         # other routers' requests
         load = {i: max(self.in_flight.get(i, 0), self.decode_loads.get(i, 0)) for i in live}
-        choice = self._choose("decode", Candidates(live, overlap, len(hashes), load), weights)
+        choice = self._choose("decode", Candidates(live, overlap, len(hashes), load,
+                                                   self.decode_kv_usage), weights)
         self.blocks_total += len(hashes)
         self.overlap_total += overlap.get(choice, 0)
         if not h.kv_transfer_params:
@@ -100,13 +111,15 @@ class Router:
         (the workers' published requests) breaking ties. None (round robin) without image
         keys, with one prefill instance, or under policy round_robin."""
         live = sorted(self.prefill.instance_ids()) if self.prefill is not None else []
-        if self.policy != "kv" or len(live) < 2 or not request.image_keys:
+        if self.policy == "round_robin" or len(live) < 2 or not request.image_keys:
             return Placement()
+        if self.policy == "random":
+            return Placement(instance=self._random.choice(live), reason="random")
         hashes = self.table.deepest(request.image_keys)
         overlap = self.prefill_index.overlap(hashes) if hashes else {}
         load = {i: self.prefill_loads.get(i, 0) for i in live}
-        choice = self._choose("prefill", Candidates(live, overlap, len(hashes), load),
-                              self.weights)
+        choice = self._choose("prefill", Candidates(live, overlap, len(hashes), load,
+                                                    self.prefill_kv_usage), self.weights)
         held = overlap.get(choice, 0)
         return Placement(instance=choice, reason="overlap" if held else "load",
                          blocks_held=held, blocks=len(hashes))
@@ -209,7 +222,8 @@ def parser():
     p.add_argument("--wait-s", type=float, default=600, help="how long to wait for decode")
     p.add_argument("--policy", choices=POLICIES, default="kv",
                    help="kv: the replica holding most of the request's blocks (default); "
-                        "round_robin: Dynamo's, the baseline")
+                        "round_robin: Dynamo's, the baseline; random: a seeded uniform choice "
+                        "(benchmarks)")
     p.add_argument("--weights", type=_weights, default=DEFAULT_WEIGHTS,
                    help=f"scorer weights, e.g. overlap=1,load=0.1 (scorers: {sorted(SCORERS)})")
     p.add_argument("--block-size", type=int, default=32,
@@ -217,6 +231,26 @@ def parser():
     p.add_argument("--block-hash-seed", type=int, default=0,
                    help="the engines' block-hash seed (EngineSpec.block_hash_seed)")
     return p
+
+
+async def _followers(rt, args, router: Router) -> dict:
+    """{tier: Follower} of the decode and prefill workers' kv_blocks streams, each keeping its
+    tier's index, loads and (prefill) image prefixes in `router`."""
+    from mmhandoff.router.follow import Follower
+    from mmhandoff.serving.block_feed import ENDPOINT as KV_BLOCKS
+
+    followers = {}
+    for tier, endpoint, index in (("decode", args.decode, router.index),
+                                  ("prefill", args.prefill, router.prefill_index)):
+        component = endpoint.rsplit(".", 1)[0]
+        feeds = await rt.endpoint(f"{args.namespace}.{component}.{KV_BLOCKS}").client()
+        followers[tier] = Follower(feeds, index, args.block_size,
+                                   on_prefixes=router.table.update)
+    router.decode_loads = followers["decode"].loads
+    router.decode_kv_usage = followers["decode"].kv_usage
+    router.prefill_loads = followers["prefill"].loads
+    router.prefill_kv_usage = followers["prefill"].kv_usage
+    return followers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,9 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
 
     async def run() -> int:
-        from mmhandoff.router.follow import Follower
         from mmhandoff.router.metrics import publish_router_metrics
-        from mmhandoff.serving.block_feed import ENDPOINT as KV_BLOCKS
         from mmhandoff.vllm_adapter.block_hashes import BlockHasher
 
         start_not_ready()
@@ -243,24 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         own = ENDPOINT.rsplit(".", 1)[0]
         endpoints = {name: rt.endpoint(f"{args.namespace}.{own}.{name}")
                      for name in ("generate", HELD, PLACE)}
-        follows, follower = [], None
-        if args.policy == "kv":
-            followers = []
-            for tier, index in ((args.decode, router.index), (args.prefill, router.prefill_index)):
-                component = tier.rsplit(".", 1)[0]
-                feeds = await rt.endpoint(f"{args.namespace}.{component}.{KV_BLOCKS}").client()
-                followers.append(Follower(feeds, index, args.block_size,
-                                          on_prefixes=router.table.update))
-            follower, prefill_follower = followers
-            router.decode_loads, router.prefill_loads = follower.loads, prefill_follower.loads
-            follows = [asyncio.ensure_future(f.run()) for f in followers]
-            synced = await asyncio.gather(*(f.ready(SYNC_WAIT_S) for f in followers))
-            for tier, ok in zip(("decode", "prefill"), synced):
-                if not ok:
-                    print(f"[router] not every {tier} instance's blocks arrived in "
-                          f"{SYNC_WAIT_S:g} s; routing by load until they do", file=sys.stderr,
-                          flush=True)
-        publish_router_metrics(endpoints["generate"], router, follower)
+        followers = await _followers(rt, args, router) if args.policy == "kv" else {}
+        follows = [asyncio.ensure_future(f.run()) for f in followers.values()]
+        synced = await asyncio.gather(*(f.ready(SYNC_WAIT_S) for f in followers.values()))
+        for tier, ok in zip(followers, synced):
+            if not ok:
+                print(f"[router] not every {tier} instance's blocks arrived in {SYNC_WAIT_S:g} "
+                      f"s; routing by load until they do", file=sys.stderr, flush=True)
+        publish_router_metrics(endpoints["generate"], router, followers)
         served = [serve(rt, f"{args.namespace}.{own}.{name}", handler, (), endpoint=endpoints[name])
                   for name, handler in (("generate", router.handle), (HELD, router.handle_held),
                                         (PLACE, router.handle_place))]

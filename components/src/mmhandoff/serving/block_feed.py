@@ -38,7 +38,7 @@ class BlockFeed:
         self._held: set = set()
         self._queues: set[asyncio.Queue] = set()
         self._closed = False
-        self._load = (0, 0)  # requests running, waiting
+        self._load = (0, 0, 0.0)  # requests running, waiting; KV cache usage
         # image key -> its prefix's block hashes (prefill workers), latest last
         self._prefixes: OrderedDict[str, list] = OrderedDict()
 
@@ -53,12 +53,13 @@ class BlockFeed:
                 self._held.difference_update(hashes)
             self._send(msgspec.to_builtins(KvBlocks(kind=kind, hashes=hashes)))
 
-    def load(self, running: int, waiting: int) -> None:
-        """The engine's requests as of its last step; sent when they change. On the loop."""
-        if (running, waiting) != self._load:
-            self._load = (running, waiting)
+    def load(self, running: int, waiting: int, kv_usage: float = 0.0) -> None:
+        """The engine's requests as of its last step and the share of its KV cache they hold;
+        sent when the requests change (the usage goes with them). On the loop."""
+        if (running, waiting) != self._load[:2]:
+            self._load = (running, waiting, kv_usage)
             self._send(msgspec.to_builtins(KvBlocks(kind="load", running=running,
-                                                    waiting=waiting)))
+                                                    waiting=waiting, kv_usage=kv_usage)))
 
     def prefixes(self, prefixes: dict[str, list]) -> None:
         """What image keys stand for in this engine's blocks (prefill.prefixes); kept for the
@@ -88,10 +89,11 @@ class BlockFeed:
         self._queues.add(q)
         try:
             # one message: a router that has it has the whole picture (router.follow)
-            running, waiting = self._load
+            running, waiting, kv_usage = self._load
             yield msgspec.to_builtins(KvBlocks(
                 kind="snapshot", hashes=list(self._held), block_size=self.block_size,
-                running=running, waiting=waiting, prefixes=dict(self._prefixes)))
+                running=running, waiting=waiting, kv_usage=kv_usage,
+                prefixes=dict(self._prefixes)))
             while (item := await q.get()) is not None:
                 yield item
         finally:

@@ -173,7 +173,8 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
 
     def publish_load() -> None:  # routers balance by it (kv_blocks streams)
         try:
-            loop.call_soon_threadsafe(feed.load, load.num_running, load.num_waiting)
+            loop.call_soon_threadsafe(feed.load, load.num_running, load.num_waiting,
+                                      load.kv_cache_usage)
         except RuntimeError:  # the loop has closed: the worker is stopping
             pass
 

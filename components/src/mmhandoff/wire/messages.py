@@ -225,9 +225,10 @@ class KvBlocks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_de
     hashes: list[int | bytes] = []
     block_size: int = 0  # in a snapshot: the engine's, which a router must hash with
     # in a snapshot, and kind "load" on every change: the engine's requests running and waiting
-    # as of its last step, what routers balance by
+    # as of its last step, and the share of its KV cache they hold: what routers balance by
     running: int = 0
     waiting: int = 0
+    kv_usage: float = 0.0
     # in a snapshot (the latest ones), and kind "prefixes" for each request with image keys
     # (prefill workers): image key -> the engine's hashes of the full blocks through that image
     prefixes: dict[str, list[int | bytes]] = {}
@@ -255,7 +256,8 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class Placement(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """router.place's answer: the prefill instance to send the request to (None: any, Dynamo's
     round robin), why (`overlap`: it holds the blocks of the request's longest known image
-    prefix; `load`: nothing known is held anywhere; `round_robin`), and its overlap."""
+    prefix; `load`: nothing known is held anywhere; `round_robin`; `random`: that policy), and
+    its overlap."""
 
     instance: int | None = None
     reason: str = "round_robin"

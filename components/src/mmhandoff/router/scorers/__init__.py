@@ -16,6 +16,7 @@ class Candidates:
     overlap: dict[int, int] = field(default_factory=dict)  # leading blocks each holds
     blocks: int = 0  # full blocks of the request's prompt
     in_flight: dict[int, int] = field(default_factory=dict)  # requests each has (scorers.load)
+    kv_usage: dict[int, float] = field(default_factory=dict)  # share of its KV cache held
 
 
 class Scorer(Protocol):
