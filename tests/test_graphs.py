@@ -590,7 +590,7 @@ def _killed_mid_stream(graph: Graph, messages, victim: str, other: str, agg_fp32
         for t in threads:
             t.start()
         assert decode_token.wait(timeout=120)  # through the victim: its sibling is stopped
-        os.kill(pids[victim], signal.SIGKILL)
+        graph.kill_replica(victim)
     finally:
         os.kill(pids[other], signal.SIGCONT)
     for t in threads:

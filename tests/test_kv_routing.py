@@ -14,8 +14,6 @@ workers' kv_blocks streams cross NATS; the round-robin run uses the one-host def
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -68,7 +66,7 @@ def _run(graph: Graph, trace, kill_router_at: int | None = None):
     answers, found = [], []
     for n, (c, turn) in enumerate(trace):
         if n == kill_router_at:
-            os.kill(graph.replica_pids()["router-0"], signal.SIGKILL)
+            graph.kill_replica("router-0")
             _restarted(graph, "router-0")
         r = client.chat.completions.create(
             model=MODEL, messages=next_turn(history, c, turn, uris), max_tokens=8,
