@@ -13,7 +13,7 @@ import pytest
 from mmhandoff.frontend.placement import PrefillPlacement, image_keys
 from mmhandoff.router.prefix_table import PrefixTable
 from mmhandoff.router.router import Router
-from mmhandoff.prefill.prefixes import prefix_blocks
+from mmhandoff.prefill.prefixes import image_ends, prefix_blocks
 from mmhandoff.wire.handoff import Features, Span
 from mmhandoff.wire.messages import (
     ChatMessage,
@@ -71,11 +71,11 @@ def test_prefill_publishes_the_full_blocks_through_each_image():
     # the spans come in any order: keys follow the prompt's
     features = Features(mm_hashes={"image": ["b", "a"]}, mm_placeholders={
         "image": [Span(offset=13, length=14), Span(offset=2, length=8)]})
-    assert prefix_blocks(["k1", "k2"], features, hashes, BLOCK) == {
+    assert prefix_blocks(["k1", "k2"], image_ends(features), hashes, BLOCK) == {
         "k1": [100, 101],  # the first image ends at token 10: blocks 0-1 are full
         "k2": list(range(100, 106))}  # the second at 27: blocks 0-5
-    assert prefix_blocks(["k1"], features, hashes, BLOCK) == {}  # keys and images disagree
-    assert prefix_blocks(["k"], _features([(0, 3)]), hashes, BLOCK) == {}  # no full block
+    assert prefix_blocks(["k1"], image_ends(features), hashes, BLOCK) == {}  # keys != images
+    assert prefix_blocks(["k"], image_ends(_features([(0, 3)])), hashes, BLOCK) == {}  # no full
 
 
 def test_the_table_keeps_the_deepest_known_prefix_and_forgets_the_oldest_first():

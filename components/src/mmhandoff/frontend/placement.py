@@ -5,15 +5,15 @@ prefill, with an identity of each image's prefix that costs no image decode.
 holds up to image i's end, as the client sent it: the cache salt, each message's role and text,
 and the bytes of every image up to and including image i. A chat template renders messages in
 order, so two requests with the same key i share the prompt, and so the engine's KV blocks,
-through image i. The router learns which engine blocks a key stands for from the handoffs it
-routes (router.prefix_table) and places the next request with that key on the prefill replica
-that holds them (a template that looked ahead would only make placement worse, never an answer
-wrong: a route decides where KV is computed, not what).
+through image i. Prefill workers publish which engine blocks a key stands for
+(prefill.prefixes), routers keep it (router.prefix_table) and place the next request with that
+key on the prefill replica that holds them (a template that looked ahead would only make
+placement worse, never an answer wrong: a route decides where KV is computed, not what).
 
-A repeated image is recognised here when its bytes are the same: the same file fetched again, or the
-same data URI (its media type included). The same pixels in other bytes (re-encoded, resized) are
-still found by each engine's own prefix cache (vLLM hashes decoded pixels), but do not steer the
-placement.
+A repeated image is recognised here when its bytes are the same: the same file fetched again, or
+the same data URI (its media type included). The same pixels in other bytes (re-encoded,
+resized) are still found by each engine's own prefix cache (vLLM hashes decoded pixels), but do
+not steer the placement.
 """
 
 from __future__ import annotations

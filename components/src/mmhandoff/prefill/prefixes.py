@@ -14,23 +14,17 @@ from typing import Sequence
 from mmhandoff.wire.handoff import Features
 
 
-def image_spans(features: Features) -> list[tuple[int, int]]:
-    """(offset, end) of every item's placeholders, in prompt order."""
-    return sorted((s.offset, s.offset + s.length)
-                  for spans in features.mm_placeholders.values() for s in spans)
+def image_ends(features: Features) -> list[int]:
+    """Where each item's placeholders end, in prompt order."""
+    return [span.offset + span.length for *_, span in features.items()]
 
 
-def prefix_blocks(keys: Sequence[str], features: Features, hashes: Sequence,
+def prefix_blocks(keys: Sequence[str], ends: Sequence[int], hashes: Sequence,
                   block_size: int) -> dict[str, list]:
-    """{key: hashes of the full blocks through its image}; nothing when the keys do not match
-    the images one to one (a frontend and a template that disagree: no placement hint), and no
-    entry for an image that ends inside the first block."""
-    spans = image_spans(features)
-    if len(keys) != len(spans):
+    """{key: hashes of the full blocks through its image}, the images ending at `ends`; nothing
+    when the keys do not match the images one to one (a frontend and a template that disagree:
+    no placement hint), and no entry for an image that ends inside the first block."""
+    if len(keys) != len(ends):
         return {}
-    out = {}
-    for key, (_offset, end) in zip(keys, spans):
-        n = end // block_size
-        if n:
-            out[key] = list(hashes[:n])
-    return out
+    return {key: list(hashes[:end // block_size])
+            for key, end in zip(keys, ends) if end >= block_size}

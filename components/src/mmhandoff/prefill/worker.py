@@ -27,7 +27,7 @@ import msgspec
 from mmhandoff.engine import RELEASE_ON_STOP_KEY, Engine, EngineInputError, Rendered, Step
 from mmhandoff.media.images import ImageError, ImageLimits, data_uri_bytes
 from mmhandoff.prefill.bypass import decode_can_answer
-from mmhandoff.prefill.prefixes import image_spans, prefix_blocks
+from mmhandoff.prefill.prefixes import image_ends, prefix_blocks
 from mmhandoff.prefill.prompt import InvalidRequest, PromptBuilder
 from mmhandoff.wire.handoff import VERSION, Handoff, sign
 from mmhandoff.wire.messages import (
@@ -182,12 +182,11 @@ class PrefillWorker:
                           request: PrefillRequest, rendered: Rendered) -> None:
         """Tell routers which of this engine's blocks each of the request's image keys stands
         for (its engine now holds them in its prefix cache)."""
-        spans = image_spans(rendered.features)
-        if not spans or len(spans) != len(request.image_keys):
+        ends = image_ends(rendered.features)
+        if not ends or len(ends) != len(request.image_keys):
             return
-        hashes = self.engine.block_hashes(rendered, request.cache_salt, upto=spans[-1][1])
-        prefixes = prefix_blocks(request.image_keys, rendered.features, hashes,
-                                 self.engine.block_size)
+        hashes = self.engine.block_hashes(rendered, request.cache_salt, upto=ends[-1])
+        prefixes = prefix_blocks(request.image_keys, ends, hashes, self.engine.block_size)
         if prefixes:
             publish(prefixes)
 

@@ -110,11 +110,8 @@ class VllmEngine:
             self._hasher = BlockHasher(
                 self.block_size, seed=self._block_hash_seed,
                 hash_algo=self.llm.vllm_config.cache_config.prefix_caching_hash_algo)
-        f = rendered.features
-        images = sorted(((digest, span.offset, span.length)
-                         for modality, digests in f.mm_hashes.items()
-                         for digest, span in zip(digests, f.mm_placeholders.get(modality, []))
-                         if span.offset < upto), key=lambda item: item[1])  # prompt order
+        images = [(digest, span.offset, span.length)
+                  for _modality, digest, span in rendered.features.items() if span.offset < upto]
         return self._hasher.hashes(rendered.token_ids[:upto], images, cache_salt=cache_salt)
 
     def discard(self, rendered: Rendered) -> None:

@@ -162,6 +162,20 @@ class Features(_Strict):
     mm_placeholders: dict[str, list[Span]]
     mm_grids: dict[str, list[Grid]] | None = None  # (v5) the position state; None: not needed
 
+    def items(self) -> list[tuple[str, str, Span]]:
+        """(modality, hash, span) for every item, sorted by position in the prompt."""
+        return [item[:3] for item in self.items_with_grids()]
+
+    def items_with_grids(self) -> list[tuple[str, str, Span, Grid | None]]:
+        """(modality, hash, span, grid or None) for every item, sorted by position."""
+        out = []
+        grids = self.mm_grids or {}
+        for modality, hashes in self.mm_hashes.items():
+            spans = self.mm_placeholders.get(modality, [])
+            own = grids.get(modality) or [None] * len(hashes)
+            out.extend(zip([modality] * len(hashes), hashes, spans, own))
+        return sorted(out, key=lambda item: item[2].offset)
+
 
 class Structured(_Strict):
     """A structured-output constraint (vLLM's StructuredOutputsParams): exactly one of a JSON
@@ -263,17 +277,11 @@ class Handoff(_Strict):
 
     def items(self) -> list[tuple[str, str, Span]]:
         """(modality, hash, span) for every item, sorted by position in the prompt."""
-        return [item[:3] for item in self.items_with_grids()]
+        return self.features.items()
 
     def items_with_grids(self) -> list[tuple[str, str, Span, Grid | None]]:
         """(modality, hash, span, grid or None) for every item, sorted by position."""
-        out = []
-        grids = self.features.mm_grids or {}
-        for modality, hashes in self.features.mm_hashes.items():
-            spans = self.features.mm_placeholders.get(modality, [])
-            own = grids.get(modality) or [None] * len(hashes)
-            out.extend(zip([modality] * len(hashes), hashes, spans, own))
-        return sorted(out, key=lambda item: item[2].offset)
+        return self.features.items_with_grids()
 
 
 class _Envelope(msgspec.Struct):
