@@ -13,6 +13,8 @@ meets decode in the state the first turn left):
 - bypass: prefill renders, the router's lookup (its index, fed here with the first turn's
   blocks, and the engines' own hashes) finds decode holds the image, decode computes the rest.
 TTFT: the request's start to the answer's first token (prefill's, or decode's when bypassed).
+Every follow-up repeats the first turn's data URI, so none decodes the image again
+(prefill.prompt's memo).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ async def measure(args, engines: dict) -> None:
     plain = PrefillWorker(engines["prefill"])
     bypassing = PrefillWorker(engines["prefill"], router=IndexLookup(router),
                               bypass_max_tokens=args.bypass_max_tokens)
+    bypassing.prompts = plain.prompts  # one prefill worker, as deployed: one memo of decodes
     decode = DecodeWorker(engines["decode"], kv_deadline_s=60)
     sampling = Sampling(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     width, height = (int(x) for x in args.size.split("x"))

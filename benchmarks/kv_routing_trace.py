@@ -111,6 +111,9 @@ def run_policy(policy: str, tmp: Path, order, uris) -> list[tuple[int, dict]]:
     spec = yaml.safe_load((ROOT / "configs" / "disagg_router.yaml").read_text())
     args = spec["components"]["router"]["args"]
     args[args.index("--policy") + 1] = policy
+    # prefill's bypass off: every request meets both tiers, whose routing is what is measured
+    args = spec["components"]["prefill"]["args"]
+    args[args.index("--bypass-max-tokens") + 1] = "0"
     config = tmp / f"{policy}.yaml"
     config.write_text(yaml.safe_dump(spec))
     p = port()

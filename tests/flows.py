@@ -31,7 +31,7 @@ async def agg_run(prefill, full_engine, request_id, messages, sampling):
     """The whole request on one engine, no KV transfer, straight through vLLM: the reference."""
     request = PrefillRequest(request_id=request_id, messages=messages, sampling=sampling)
     item = {"prompt": prefill.prompts.text(request)}
-    images = await prefill.prompts.images(request)
+    images = await prefill.prompts.images(request, decode=True)  # pixels, for vLLM itself
     if images:
         item["multi_modal_data"] = {"image": [i.image for i in images]}
     final = None

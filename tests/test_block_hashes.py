@@ -3,7 +3,8 @@ computed outside it, bit for bit. Checked two ways: against an independent imple
 vLLM's documented scheme (sha256 over the pickled (parent, block tokens, extra keys), NONE_HASH
 from the seed) for block sizes 32, 64 and 128; and against the hashes a live prefill engine
 and the decode engine that pulled them publish in their KV events for the same prompts (a
-cache_salt included: prefill's engine ignored it until this test found that)."""
+cache_salt included: prefill's engine ignored it until this test found that), and so do the
+hashes a live prefill carries in its handoff for the router."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from mmhandoff.frontend.placement import image_keys
 from mmhandoff.router.index import KvIndex
 from mmhandoff.vllm_adapter.block_hashes import BlockHasher
 from mmhandoff.vllm_adapter.kv_events import feed
+from mmhandoff.wire.handoff import BlockHashes
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import collect, greedy, published_chain
@@ -129,6 +131,8 @@ def test_hashes_equal_the_engines_kv_events(loop, engines, prefill, case):
     published = published_chain(engines.prefill_events, h.token_ids)
     assert BlockHasher(32).of_handoff(h) == published
     assert published_chain(engines.decode_events, h.token_ids) == published  # decode: the same
+    # the hashes the handoff carries for routers (prefill's engine adapter): the same
+    assert h.block_hashes == BlockHashes(block_size=32, hashes=published)
     # the router's index, fed the engines' own events, finds the whole prompt on both
     index = KvIndex()
     feed(index, 1, engines.prefill_events.events())

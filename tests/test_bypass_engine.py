@@ -1,15 +1,18 @@
 """Prefill's bypass on real engines: a follow-up whose prefix decode already holds is answered by
 decode from its own prefix cache (no prefill engine request, no KV pulled) as agg answers it; one
 whose blocks decode does not hold fails closed; a render that is never submitted leaves vLLM's
-processed-image cache as it was (the next request with the image still sends it)."""
+processed-image cache as it was (the next request with the image still sends it); an image sent
+again as the same data URI is rendered without its pixels, as its decode rendered it."""
 
 from __future__ import annotations
 
 import pytest
 
 from mmhandoff.decode.stream import KVCoverageError, collect
+from mmhandoff.engine import PixelsNeeded
 from mmhandoff.media.images import decode_image
 from mmhandoff.prefill.worker import PrefillWorker
+from mmhandoff.vllm_adapter.inputs import forget_sent
 from mmhandoff.wire.messages import ChatMessage, KvHeld, PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import agg_run, greedy, handoff_run
@@ -100,3 +103,25 @@ def test_a_discarded_render_leaves_the_image_to_be_sent_again(loop, engines):
     assert seen.first_sent == ()
     engine.discard(seen)
     assert cache.is_cached_item(image.content_hash)
+
+
+def test_an_image_sent_again_renders_without_its_pixels_as_its_decode_did(loop, workers):
+    """prefill.prompt's memo on vLLM: a data URI prefill decoded before goes to the engine
+    without pixels (vLLM's processor cache has the image) and renders the same token ids and
+    features; once vLLM no longer records it, prefill decodes it again."""
+    prefill, decode, _ = workers
+    messages = chat("What is in this picture?", data_uri(encode(make_image(120, 80, 64))))
+    s = greedy(4, ignore_eos=True)
+    _, _, first = loop.run(handoff_run(prefill, decode, "memo-1", messages, s))
+    request = PrefillRequest(request_id="memo", messages=messages, sampling=s)
+    (bare,) = loop.run(prefill.prompts.images(request))
+    assert bare.image is None and bare.content_hash == first.features.mm_hashes["image"][0]
+    tokens, _, again = loop.run(handoff_run(prefill, decode, "memo-2", messages, s))
+    assert (again.token_ids, again.features) == (first.token_ids, first.features)
+    assert len(tokens) == 4
+    forget_sent(prefill.engine.llm, (bare.content_hash,))  # as if vLLM had evicted it
+    with pytest.raises(PixelsNeeded):
+        loop.run(prefill.engine.render(prefill.prompts.text(request), [bare]))
+    tokens, _, third = loop.run(handoff_run(prefill, decode, "memo-3", messages, s))
+    assert (third.token_ids, third.features) == (first.token_ids, first.features)
+    assert len(tokens) == 4

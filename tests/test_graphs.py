@@ -259,14 +259,18 @@ def _with_engine_args(config: str, tmp: Path, args: list[str]) -> str:
     return str(out)
 
 
-def _disagg_router(tmp: Path, policy: str = "kv", prefills: int = 1) -> str:
+def _disagg_router(tmp: Path, policy: str = "kv", prefills: int = 1, bypass: bool = True) -> str:
     """configs/disagg_router.yaml in fp32 (FP32), its router with `policy`, `prefills` prefill
-    replicas (one for the fault tests, which kill other components: fewer engines on 2 cores)."""
+    replicas (one for the fault tests, which kill other components: fewer engines on 2 cores),
+    prefill's bypass as shipped (on) or off."""
     config = _with_engine_args("configs/disagg_router.yaml", tmp, FP32)
     spec = yaml.safe_load(Path(config).read_text())
     args = spec["components"]["router"]["args"]
     args[args.index("--policy") + 1] = policy
     spec["components"]["prefill"]["replicas"] = prefills
+    if not bypass:
+        args = spec["components"]["prefill"]["args"]
+        args[args.index("--bypass-max-tokens") + 1] = "0"
     out = tmp / f"{policy}-disagg_router.yaml"
     out.write_text(yaml.safe_dump(spec))
     return str(out)
@@ -397,11 +401,6 @@ def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers, tiny_m
 ])
 def test_router_and_full_media_graphs_answer_as_agg(tmp_path, image_server, agg_answers, target,
                                                     config, replicas):
-    if "router" in target:  # with prefill's bypass on (docs/routing.md)
-        spec = yaml.safe_load(Path(config).read_text())
-        spec["components"]["prefill"]["args"] += ["--bypass-max-tokens", "256"]
-        config = str(tmp_path / "bypass-disagg_router.yaml")
-        Path(config).write_text(yaml.safe_dump(spec))
     graph = Graph(target, config, tmp_path, frontend_args=ALLOW_LOOPBACK_IMAGES)
     with graph.failing_loudly():
         assert sorted(graph.health_urls()) == replicas

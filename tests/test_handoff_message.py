@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mmhandoff.wire.handoff import (
     VERSION,
+    BlockHashes,
     DigestMismatch,
     EmptyHash,
     Expired,
@@ -35,9 +36,11 @@ from mmhandoff.wire.handoff import (
     UnsupportedRequest,
     UnsupportedVersion,
     Unsigned,
+    authentic,
     check_admission,
     decode_handoff,
     encode_handoff,
+    handoff_from_builtins,
     sign,
 )
 
@@ -74,6 +77,10 @@ def handoffs(draw):
         sampling=Sampling(max_tokens=draw(st.integers(1, 4096)),
                           temperature=draw(st.floats(0, 2)), seed=draw(st.none() | st.integers(0, 99))),
         cache_salt=draw(st.none() | st.text(max_size=8)),
+        block_hashes=draw(st.none() | st.integers(1, 8).flatmap(lambda size: st.builds(
+            BlockHashes, block_size=st.just(size), hashes=st.lists(
+                st.integers(0, 2**64 - 1), min_size=n_tokens // size,
+                max_size=n_tokens // size)))),
     )
 
 
@@ -81,6 +88,7 @@ def handoffs(draw):
 @given(handoffs())
 def test_round_trip_is_lossless(h):
     assert decode_handoff(encode_handoff(h)) == h
+    assert handoff_from_builtins(msgspec.to_builtins(h)) == h
     check_admission(h, fingerprint=FP, grid_merge=None if h.features.mm_grids is None else 2)
 
 
@@ -158,6 +166,12 @@ def _wire(d: dict) -> bytes:
         {"t": 1, "h": 4, "w": 4}]})), MalformedHandoff),
     (lambda d: d.update(v=4, sampling={"logit_bias": {"5": 1.0}}), MalformedHandoff),  # v5
     (lambda d: d.update(sampling={"logit_bias": {"5": "x"}}), MalformedHandoff),
+    # the block hashes (v6): one per full block
+    (lambda d: d.update(block_hashes={"block_size": 4, "hashes": [1]}), MalformedHandoff),
+    (lambda d: d.update(block_hashes={"block_size": 4, "hashes": [1, 2, 3]}), MalformedHandoff),
+    (lambda d: d.update(block_hashes={"block_size": 0, "hashes": []}), MalformedHandoff),
+    (lambda d: d.update(block_hashes={"block_size": 4, "hashes": ["a", "b"]}), MalformedHandoff),
+    (lambda d: d.update(v=5, block_hashes={"block_size": 4, "hashes": [1, 2]}), MalformedHandoff),
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(offset=8), SpanOutOfRange),
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(offset=-1), SpanOutOfRange),
     (lambda d: d["features"]["mm_placeholders"]["image"][0].update(length=0), SpanOutOfRange),
@@ -169,6 +183,7 @@ def _wire(d: dict) -> bytes:
     (lambda d: d.update(v="1"), UnsupportedVersion),
     (lambda d: d.pop("v"), UnsupportedVersion),
     (lambda d: d.update(token_ids=[]), MalformedHandoff),
+    (lambda d: d["token_ids"].__setitem__(3, -1), MalformedHandoff),
     (lambda d: d.update(token_ids="abc"), MalformedHandoff),
     (lambda d: d.pop("kv_transfer_params"), MalformedHandoff),
     (lambda d: d.update(extra_field=1), MalformedHandoff),
@@ -192,11 +207,13 @@ def _wire(d: dict) -> bytes:
      MalformedHandoff),  # two constraints
     (lambda d: d.update(sampling={"structured": {}}), MalformedHandoff),  # none
 ])
-def test_each_structural_rule_has_its_error(mutate, error):
+@pytest.mark.parametrize("decode", [lambda d: decode_handoff(_wire(d)), handoff_from_builtins],
+                         ids=["bytes", "builtins"])
+def test_each_structural_rule_has_its_error(mutate, error, decode):
     d = _raw(_good())
     mutate(d)
     with pytest.raises(error):
-        decode_handoff(_wire(d))
+        decode(d)
 
 
 def test_version_1_stays_readable():
@@ -212,6 +229,8 @@ def test_version_1_stays_readable():
 def test_not_a_map_is_malformed():
     with pytest.raises(MalformedHandoff):
         decode_handoff(msgspec.msgpack.encode([1, 2, 3]))
+    with pytest.raises(MalformedHandoff):
+        handoff_from_builtins([1, 2, 3])
 
 
 def test_admission_rules():
@@ -261,6 +280,7 @@ def test_a_signed_handoff_is_admitted_and_any_change_is_refused():
         "cache salt": dict(cache_salt="other"),
         "a later expiry": dict(expires_at=signed.expires_at + 600),
         "another nonce": dict(nonce="0" * 32),
+        "block hashes": dict(block_hashes=BlockHashes(block_size=4, hashes=[1, 2])),
     }
     for name, change in changes.items():
         with pytest.raises(DigestMismatch):
@@ -268,6 +288,20 @@ def test_a_signed_handoff_is_admitted_and_any_change_is_refused():
                             keys=[KEY])
     with pytest.raises(DigestMismatch):  # signed with a key decode does not have
         check_admission(sign(_good(), OLD_KEY, ttl_s=60), fingerprint=FP, keys=[KEY])
+
+
+def test_authentic_is_the_signature_or_on_an_unsigned_plane_the_checksum():
+    carrying = _good(block_hashes=BlockHashes(block_size=4, hashes=[1, 2]))
+    signed = sign(carrying, KEY, ttl_s=60)
+    assert authentic(signed, [KEY]) and authentic(signed, [OLD_KEY, KEY])
+    assert not authentic(signed, [OLD_KEY])
+    assert not authentic(carrying, [KEY])  # unsigned, where keys are known
+    changed = msgspec.structs.replace(signed, block_hashes=BlockHashes(block_size=4,
+                                                                      hashes=[1, 3]))
+    assert not authentic(changed, [KEY])
+    assert authentic(carrying) and authentic(sign(carrying))  # no keys: unsigned, or checksum
+    assert not authentic(signed)  # a key's MAC is no checksum
+    assert not authentic(msgspec.structs.replace(sign(carrying), cache_salt="x"))
 
 
 def test_unsigned_expired_and_rotated_keys():
@@ -351,6 +385,7 @@ def test_a_version_3_prefills_signature_verifies_at_this_decode():
     old = msgspec.to_builtins(h, builtin_types=(bytes,))  # its digest still None
     old["sampling"] = msgspec.to_builtins(_SamplingV3(max_tokens=8, min_p=0.1, stop=["x"]))
     del old["features"]["mm_grids"]  # added by version 5
+    del old["block_hashes"]  # added by version 6
     old["digest"] = hmac.new(key, msgspec.msgpack.encode(old), hashlib.sha256).hexdigest()
     got = decode_handoff(msgspec.msgpack.encode(old))
     check_admission(got, fingerprint=FP, keys=[key])  # verifies

@@ -9,7 +9,9 @@ round robin in the same test. The answers of both runs must be equal (the
 route changes where KV comes from, never the answer). Mid-trace the router is killed (-9): serve
 restarts it (one of two router replicas), it rebuilds its index from the workers' snapshots, and
 the hit rate holds. The KV run uses etcd for discovery and NATS for requests (real servers): the
-workers' kv_blocks streams cross NATS; the round-robin run uses the one-host defaults.
+workers' kv_blocks streams cross NATS; the routers look up the block hashes prefill carries in
+each handoff (signed: serve gives every process of a graph run one key). The round-robin run
+uses the one-host defaults.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_
     servers = Servers(tmp_path)
     try:
         for policy in ("round_robin", "kv"):
-            config, planes = _disagg_router(tmp_path, policy, prefills=2), {}
+            # the bypass off: every request reaches both tiers, so both are measured
+            config, planes = _disagg_router(tmp_path, policy, prefills=2, bypass=False), {}
             if policy == "kv":  # two routers: the graph answers while one is killed, restarted;
                 spec = yaml.safe_load(Path(config).read_text())  # the kv_blocks streams go
                 spec["components"]["router"]["replicas"] = 2  # over NATS, discovery is etcd
@@ -131,6 +134,10 @@ def test_kv_routing_finds_repeated_images_on_the_chosen_replica(tmp_path, image_
     for tier in ("decode", "prefill"):  # every live instance's blocks in each router's index
         assert kv[f'mmhandoff_router_instances_unsynced{{tier="{tier}"}}'] == 0
     assert kv['mmhandoff_router_decisions_total{reason="overlap"}'] >= 1
+    # each handoff's hashes were prefill's, verified: no router hashed a prompt itself
+    decided = sum(n for k, n in kv.items() if k.startswith("mmhandoff_router_decisions_total"))
+    assert kv['mmhandoff_router_hashed_total{by="prefill"}'] == decided > 0, kv
+    assert kv['mmhandoff_router_hashed_total{by="router"}'] == 0
     assert kv['mmhandoff_router_placements_total{reason="overlap"}'] >= 1
     assert kv["mmhandoff_router_prefix_keys"] >= 2  # each router's table: the prefill streams'
     assert rr['mmhandoff_router_placements_total{reason="round_robin"}'] == len(trace)

@@ -16,7 +16,7 @@ from mmhandoff.router.scorers.load import LoadScorer
 from mmhandoff.router.scorers.overlap import OverlapScorer
 from mmhandoff.serving import block_feed
 from mmhandoff.serving.block_feed import BlockFeed
-from mmhandoff.wire.handoff import Features, Handoff, Sampling, Span
+from mmhandoff.wire.handoff import VERSION, BlockHashes, Features, Handoff, Sampling, Span, sign
 from mmhandoff.wire.messages import KvBlocks, KvHeld
 
 pytestmark = pytest.mark.unit
@@ -95,6 +95,32 @@ def test_the_same_tokens_with_another_image_are_other_blocks(hasher):
     other = _handoff(list(range(100, 121)), image="img-b")  # the image starts in block 0
     assert r.index.overlap(_blocks(r, other))[30] == 0
     assert r.pick(other)[1] == "load"
+
+
+def test_an_authentic_handoffs_own_hashes_are_looked_up_any_other_is_hashed_again(hasher):
+    """Prefill's hashes (here made up, so that a hit can only come from them) are used when
+    the handoff verifies with the router's keys and has the router's block size."""
+    key = b"k" * 32
+    plain = _handoff(list(range(100, 121)))  # 5 full blocks
+    carried = BlockHashes(block_size=BLOCK, hashes=[7, 8, 9, 10, 11])
+    h = msgspec.convert(dict(plain, v=VERSION), Handoff)
+    h = msgspec.structs.replace(h, block_hashes=carried)
+    signed = msgspec.to_builtins(sign(h, key, ttl_s=30))
+    r = _router(hasher, keys=[key])
+    r.index.stored(30, carried.hashes)
+    assert r.pick(signed) == (30, "overlap") and r.hashed_by == {"prefill": 1}
+    tampered = dict(signed, block_hashes={"block_size": BLOCK, "hashes": [7, 8, 9, 10, 12]})
+    unsigned = msgspec.to_builtins(h)
+    resized = msgspec.to_builtins(sign(msgspec.structs.replace(
+        h, block_hashes=BlockHashes(block_size=2 * BLOCK, hashes=[1, 2])), key, ttl_s=30))
+    for other in (tampered, unsigned, resized):
+        assert r.pick(other)[1] == "load"  # the made-up hashes were not looked up
+    assert r.hashed_by == {"prefill": 1, "router": 3}
+    # a router without keys (an unsigned plane) takes an unsigned handoff's hashes
+    unkeyed = _router(hasher)
+    unkeyed.index.stored(20, carried.hashes)
+    assert unkeyed.pick(unsigned) == (20, "overlap")
+    assert unkeyed.pick(signed)[1] == "load"  # signed with a key it does not have
 
 
 def test_with_nothing_held_load_decides_then_turns(hasher):

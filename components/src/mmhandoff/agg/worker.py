@@ -29,7 +29,7 @@ class AggWorker:
     async def generate(self, request: PrefillRequest) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
         images = await self.prompts.images(request)
-        rendered = await self.engine.render(self.prompts.text(request), images)
+        rendered = await self.prompts.render(request, images)
         if request.continuation:
             rendered = self.engine.extend(rendered, request.continuation)
         prepare_ms = (time.perf_counter() - t0) * 1e3

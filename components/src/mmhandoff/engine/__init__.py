@@ -31,6 +31,11 @@ from mmhandoff.wire.messages import PromptLogprobs, TokenLogprob
 RELEASE_ON_STOP_KEY = "mmhandoff_release_on_stop"
 
 
+class PixelsNeeded(Exception):
+    """`render` was given an image without pixels (`LoadedImage.image` None) that the engine's
+    cache of processed images does not hold: decode it and render again."""
+
+
 class EngineInputError(ValueError):
     """The engine refuses a request as given (e.g. longer than the model's context): the
     client's fault when the request came from a client."""
@@ -95,7 +100,8 @@ class Engine(Protocol):
 
     async def render(self, prompt: str, images: Sequence[LoadedImage]) -> Rendered:
         """Tokenize `prompt` and expand its image placeholders; each image's identity is its
-        content hash."""
+        content hash. An image without pixels is taken from the engine's cache of processed
+        images; PixelsNeeded if it is not there."""
         ...
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,

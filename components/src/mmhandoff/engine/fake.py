@@ -30,6 +30,7 @@ from mmhandoff.engine import (
     RELEASE_ON_STOP_KEY,
     Capabilities,
     EngineInputError,
+    PixelsNeeded,
     Rendered,
     Step,
 )
@@ -91,6 +92,7 @@ class FakeEngine:
         self.running: set[str] = set()  # unfinished request ids: a test checks nothing leaks
         self.aborted: list[str] = []  # every abort asked for
         self.discarded: list[Rendered] = []  # renders never submitted (discard)
+        self.processed: set[str] = set()  # images rendered with pixels (vLLM's processor cache)
         self.block_size = BLOCK_SIZE
         self._dead: str | None = None
 
@@ -110,6 +112,9 @@ class FakeEngine:
             raise EngineInputError(f"{len(pieces) - 1} image placeholders, {len(images)} images")
         if images and not self.capabilities.vision:
             raise EngineInputError("this engine has no vision tower")
+        if any(i.image is None and i.content_hash not in self.processed for i in images):
+            raise PixelsNeeded("an image without pixels that was never processed")
+        self.processed.update(i.content_hash for i in images)
         ids: list[int] = []
         spans = []
         for n, piece in enumerate(pieces):

@@ -38,7 +38,8 @@ class ImageLimits:
 
 @dataclass(frozen=True)
 class LoadedImage:
-    image: Image.Image  # RGB
+    # RGB; None: not decoded, because the engine holds it processed (prefill.prompt's memo)
+    image: Image.Image | None
     content_hash: str
     source_bytes: int
 

@@ -29,7 +29,7 @@ from mmhandoff.media.images import ImageError, ImageLimits, data_uri_bytes
 from mmhandoff.prefill.bypass import decode_can_answer
 from mmhandoff.prefill.prefixes import image_ends, prefix_blocks
 from mmhandoff.prefill.prompt import InvalidRequest, PromptBuilder
-from mmhandoff.wire.handoff import VERSION, Handoff, sign
+from mmhandoff.wire.handoff import VERSION, BlockHashes, Handoff, sign
 from mmhandoff.wire.messages import (
     FirstToken,
     FullMediaRequest,
@@ -54,6 +54,14 @@ HANDOFF_TTL_S = VLLM_KV_LEASE_S * 2 / 3
 def handoff_ttl(kv_lease_s: int | None) -> float:
     """A handoff's validity for prefill's KV lease: two thirds of it."""
     return (kv_lease_s or VLLM_KV_LEASE_S) * 2 / 3
+
+
+def carried(hashes: list, block_size: int) -> BlockHashes | None:
+    """The handoff's block hashes: None when the engine gives them as bytes (vLLM's
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), which routers then compute themselves."""
+    if not all(type(h) is int for h in hashes):
+        return None
+    return BlockHashes(block_size=block_size, hashes=hashes)
 
 
 class PrefillError(RuntimeError):
@@ -98,6 +106,9 @@ class PrefillWorker:
                 images=len(images), image_bytes=sum(i.source_bytes for i in images),
                 prompt_tokens=len(rendered.token_ids),
                 prepare_ms=(time.perf_counter() - t0) * 1e3, prefill_ms=0.0, bypassed=True))
+        # the handoff's block hashes, beside the engine's prefill (routers look them up)
+        hashing = asyncio.get_running_loop().run_in_executor(
+            None, self.engine.block_hashes, rendered, request.cache_salt, len(rendered.token_ids))
         for attempt in (1, 2):
             if attempt == 2:
                 rendered = await self._render(request, images)
@@ -115,10 +126,11 @@ class PrefillWorker:
         if final is None or len(token_ids) != 1:
             raise PrefillError(f"prefill of {request.request_id} sampled {len(token_ids)} tokens "
                                f"(finish reason {final and final.finish_reason})")
+        hashes = await hashing
         if self.publish_prefixes is not None and request.image_keys:
-            # after the answer is on its way: hashing the prompt's blocks is not on its path
+            # after the answer is on its way
             asyncio.get_running_loop().call_soon(self._publish_prefixes, self.publish_prefixes,
-                                                 request, rendered)
+                                                 request, rendered, hashes)
         ended = first_token and (one_token or final.finish_reason == "stop")
         stats = PrefillStats(
             images=len(images), image_bytes=sum(i.source_bytes for i in images),
@@ -150,6 +162,7 @@ class PrefillWorker:
             cache_salt=request.cache_salt,
             continued=len(request.continuation),
             first_token=first.token_id if first is not None else None,
+            block_hashes=carried(hashes, self.engine.block_size),
         )
         if self.key is not None:
             handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
@@ -167,7 +180,11 @@ class PrefillWorker:
             v=VERSION, request_id=request.request_id, model_fingerprint=self.engine.fingerprint,
             token_ids=rendered.token_ids, features=rendered.features,
             requires_kv=bool(rendered.features.mm_hashes), kv_transfer_params={},
-            sampling=request.sampling, cache_salt=request.cache_salt)
+            sampling=request.sampling, cache_salt=request.cache_salt,
+            block_hashes=carried(self.engine.block_hashes(
+                rendered, request.cache_salt, len(rendered.token_ids)), self.engine.block_size))
+        if self.key is not None:  # before the router sees it: it trusts signed hashes only
+            handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
         try:
             held = await self.router.held(handoff)
         except Exception as e:  # the router is a hint: without it, prefill as usual
@@ -176,22 +193,21 @@ class PrefillWorker:
             return None
         if not decode_can_answer(handoff, held, self.engine.block_size, self.bypass_max_tokens):
             return None
-        return sign(handoff, self.key, ttl_s=self.ttl_s) if self.key is not None else handoff
+        return handoff
 
     def _publish_prefixes(self, publish: Callable[[dict[str, list]], None],
-                          request: PrefillRequest, rendered: Rendered) -> None:
-        """Tell routers which of this engine's blocks each of the request's image keys stands
-        for (its engine now holds them in its prefix cache)."""
+                          request: PrefillRequest, rendered: Rendered, hashes: list) -> None:
+        """Tell routers which of this engine's blocks (`hashes`: the prompt's) each of the
+        request's image keys stands for (its engine now holds them in its prefix cache)."""
         ends = image_ends(rendered.features)
         if not ends or len(ends) != len(request.image_keys):
             return
-        hashes = self.engine.block_hashes(rendered, request.cache_salt, upto=ends[-1])
         prefixes = prefix_blocks(request.image_keys, ends, hashes, self.engine.block_size)
         if prefixes:
             publish(prefixes)
 
     async def _render(self, request: PrefillRequest, images) -> Rendered:
-        rendered = await self.engine.render(self.prompts.text(request), images)
+        rendered = await self.prompts.render(request, images)
         if request.continuation:
             if self.full_media:  # its decode renders the prompt text again: it would be lost
                 raise PrefillError("the full-media arm does not continue an answer")

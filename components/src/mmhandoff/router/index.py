@@ -69,11 +69,17 @@ class KvIndex:
         """{instance: how many of `hashes`' leading blocks it holds}, for every known instance
         (0 for one that holds not even the first)."""
         counts = dict.fromkeys(self._held, 0)
-        alive = set(self._held)
+        alive = set(self._held)  # instances holding every block so far
+        holders, none = self._holders, frozenset()
         for i, h in enumerate(hashes):
-            alive &= self._holders.get(h, set())
+            held_by = holders.get(h, none)
+            if alive <= held_by:  # nobody drops out: a set operation, no loop in Python
+                continue
+            for instance in alive - held_by:  # each instance is counted once, when it drops
+                counts[instance] = i
+            alive &= held_by
             if not alive:
-                break
-            for instance in alive:
-                counts[instance] = i + 1
+                return counts
+        for instance in alive:
+            counts[instance] = len(hashes)
         return counts

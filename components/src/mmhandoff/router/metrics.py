@@ -13,19 +13,15 @@ class _Collector:
 
     def collect(self):
         r = self.router
-        decisions = CounterMetricFamily("mmhandoff_router_decisions", "Handoffs routed, by "
-                                        "reason (overlap, load, bypass: prefill skipped, "
-                                        "round_robin, random, unparsed)",
-                                        labels=["reason"])
-        for reason, n in sorted(r.decisions.items()):
-            decisions.add_metric([reason], n)
-        yield decisions
-        placements = CounterMetricFamily("mmhandoff_router_placements", "Requests placed on a "
-                                         "prefill replica, by reason (overlap, load, "
-                                         "round_robin, random)", labels=["reason"])
-        for reason, n in sorted(r.placements.items()):
-            placements.add_metric([reason], n)
-        yield placements
+        yield _by_label("mmhandoff_router_decisions", "Handoffs routed, by reason (overlap, "
+                        "load, bypass: prefill skipped, round_robin, random, unparsed)",
+                        "reason", r.decisions)
+        yield _by_label("mmhandoff_router_placements", "Requests placed on a prefill replica, "
+                        "by reason (overlap, load, round_robin, random)", "reason", r.placements)
+        yield _by_label("mmhandoff_router_hashed", "Handoffs whose block hashes were looked "
+                        "up, by who computed them (prefill: carried in the signed handoff; "
+                        "router: missing, another block size, or not authentic to the router's "
+                        "keys)", "by", r.hashed_by)
         yield GaugeMetricFamily("mmhandoff_router_prefix_keys", "Image prefixes whose engine "
                                 "blocks the router knows (learned from handoffs)",
                                 value=len(r.table))
@@ -57,6 +53,13 @@ class _Collector:
                 unsynced.add_metric([tier], follower.unsynced())
             yield snapshots
             yield unsynced
+
+
+def _by_label(name: str, doc: str, label: str, counts) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, n in sorted(counts.items()):
+        family.add_metric([value], n)
+    return family
 
 
 def publish_router_metrics(endpoint, router, followers: dict) -> None:

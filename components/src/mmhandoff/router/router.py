@@ -1,11 +1,13 @@
 """KV router: places each request on the prefill replica and its handoff on the decode replica
 that already hold most of its blocks.
 
-Decode: the handoff's block hashes are computed with vLLM's own hasher under the engines'
-settings (vllm_adapter.block_hashes) and looked up in an index of what each decode instance
-holds, fed by the workers' kv_blocks streams (router.follow). Scorers rate each live instance (KV
-overlap, load: the router's own streams or the worker's published requests, whichever is more;
-router.scorers), their weighted sum decides, and ties go to the least loaded, then in turn.
+Decode: the handoff's block hashes, the ones prefill's engine computed and signed with the
+handoff (or, for a handoff without them or not authentic, computed here with vLLM's own hasher
+under the engines' settings: vllm_adapter.block_hashes), are looked up in an index of what each
+decode instance holds, fed by the workers' kv_blocks streams (router.follow). Scorers rate each
+live instance (KV overlap, load: the router's own streams or the worker's published requests,
+whichever is more; router.scorers), their weighted sum decides, and ties go to the least loaded,
+then in turn.
 With an empty index (just started, nothing cached yet) the overlap is 0 everywhere and load
 decides.
 
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import signal
 import sys
 import time
 from collections import Counter
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 import msgspec
 
@@ -37,8 +40,9 @@ from mmhandoff.router.scorers import Candidates
 from mmhandoff.router.scorers.kv_usage import KvUsageScorer
 from mmhandoff.router.scorers.load import LoadScorer
 from mmhandoff.router.scorers.overlap import OverlapScorer
+from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV, handoff_keys
 from mmhandoff.serving.runtime import RemoteError, call, error_envelope
-from mmhandoff.wire.handoff import Handoff, HandoffError, decode_handoff
+from mmhandoff.wire.handoff import Handoff, HandoffError, authentic, handoff_from_builtins
 from mmhandoff.wire.messages import KvHeld, Placement, PlaceRequest
 
 SCORERS = {s.name: s for s in (OverlapScorer(), LoadScorer(), KvUsageScorer())}
@@ -50,7 +54,10 @@ SYNC_WAIT_S = 10.0  # at start, how long the router waits for the workers' snaps
 class Router:
     def __init__(self, decode, *, prefill=None, policy: str = "kv", hasher=None,
                  index: KvIndex | None = None, prefill_index: KvIndex | None = None,
-                 weights: Mapping[str, float] = DEFAULT_WEIGHTS) -> None:
+                 weights: Mapping[str, float] = DEFAULT_WEIGHTS,
+                 keys: Sequence[bytes] = ()) -> None:
+        """`keys`: the handoff keys (decode's); a handoff's own block hashes are used only when
+        it is authentic (with no keys: unsigned, or its checksum verifies)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
         unknown = set(weights) - set(SCORERS)
@@ -60,6 +67,7 @@ class Router:
         self.prefill = prefill  # Dynamo client of prefill.generate (placement), or None
         self.policy = policy
         self.hasher = hasher  # BlockHasher with the engines' settings (policy "kv")
+        self.keys = tuple(keys)
         self.index = index if index is not None else KvIndex()  # decode instances' blocks
         self.prefill_index = prefill_index if prefill_index is not None else KvIndex()
         # requests each engine runs and queues, and the share of its KV cache they hold, as the
@@ -78,6 +86,7 @@ class Router:
         self.blocks_total = self.overlap_total = 0  # the prompts' blocks; the chosen held
         self.decision_s_total = 0.0
         self.lookups = 0  # router.held calls (prefill's bypass)
+        self.hashed_by: Counter[str] = Counter()  # "prefill" (carried) or "router"
 
     def pick(self, handoff: dict) -> tuple[int | None, str]:
         """(decode instance, reason) for this handoff; instance None = Dynamo's round robin."""
@@ -154,9 +163,15 @@ class Router:
     def _hashed(self, handoff: dict) -> tuple[Handoff, list] | None:
         """The handoff and its blocks' hashes (the engines'), or None if decode would refuse it."""
         try:
-            h = decode_handoff(msgspec.msgpack.encode(handoff))
+            h = handoff_from_builtins(handoff)
         except HandoffError:
             return None
+        carried = h.block_hashes
+        if (carried is not None and carried.block_size == self.hasher.block_size
+                and authentic(h, self.keys)):
+            self.hashed_by["prefill"] += 1
+            return h, carried.hashes
+        self.hashed_by["router"] += 1
         return h, self.hasher.of_handoff(h)
 
     async def handle_held(self, handoff: dict) -> AsyncIterator[dict[str, Any]]:
@@ -230,6 +245,11 @@ def parser():
                    help="the decode engines' KV block size (EngineSpec's default: 32)")
     p.add_argument("--block-hash-seed", type=int, default=0,
                    help="the engines' block-hash seed (EngineSpec.block_hash_seed)")
+    p.add_argument("--handoff-key-file", default=os.environ.get(KEY_FILE_ENV),
+                   help="decode's handoff keys (default $%s, or the keys in $%s): a handoff's "
+                        "block hashes, computed by prefill, are used only when its signature "
+                        "verifies; otherwise the router hashes the prompt itself"
+                        % (KEY_FILE_ENV, KEY_ENV))
     return p
 
 
@@ -270,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         # prefill starts after the router (it asks the router): its instances come and go
         prefill = await rt.endpoint(f"{args.namespace}.{args.prefill}").client()
         router = Router(decode, prefill=prefill, policy=args.policy, weights=args.weights,
-                        hasher=BlockHasher(args.block_size, seed=args.block_hash_seed))
+                        hasher=BlockHasher(args.block_size, seed=args.block_hash_seed),
+                        keys=handoff_keys(args))
         # every endpoint is taken before any is served (serving/registration.py)
         own = ENDPOINT.rsplit(".", 1)[0]
         endpoints = {name: rt.endpoint(f"{args.namespace}.{own}.{name}")

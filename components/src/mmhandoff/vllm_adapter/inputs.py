@@ -67,6 +67,15 @@ def not_yet_sent(engine, identifiers: list[str]) -> tuple[str, ...]:
     return tuple(h for h in dict.fromkeys(identifiers) if not cache.is_cached_item(h))
 
 
+def processed(engine, identifiers: list[str]) -> set[str]:
+    """The images whose pixels a render may leave out: those vLLM's processor cache records as
+    sent (it then sends the hash alone, and needs no data for them); none without that cache."""
+    cache = engine.renderer.mm_processor_cache
+    if cache is None:
+        return set()
+    return {h for h in identifiers if cache.is_cached_item(h)}
+
+
 def forget_sent(engine, identifiers: tuple[str, ...]) -> None:
     """Undo the record rendering left for images of a prompt that is never submitted: else the
     next request with one of them would send its hash alone, and the core, which never got it,

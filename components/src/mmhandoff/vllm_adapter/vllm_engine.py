@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator, Sequence
 
 import msgspec
 
-from mmhandoff.engine import Capabilities, EngineInputError, Rendered, Step
+from mmhandoff.engine import Capabilities, EngineInputError, PixelsNeeded, Rendered, Step
 from mmhandoff.media.images import LoadedImage
 from mmhandoff.vllm_adapter.logprobs import prompt_logprobs, token_logprobs
 from mmhandoff.vllm_adapter.positions import GridMemo, grid_merge, rendered_grids
@@ -18,6 +18,7 @@ from mmhandoff.vllm_adapter.inputs import (
     kv_stats,
     model_fingerprint,
     not_yet_sent,
+    processed,
     render_prompt,
     sampling_params,
 )
@@ -84,6 +85,9 @@ class VllmEngine:
 
     async def render(self, prompt: str, images: Sequence[LoadedImage]) -> Rendered:
         identifiers = [i.content_hash for i in images]
+        bare = {i.content_hash for i in images if i.image is None}
+        if bare - processed(self.llm, list(bare)):
+            raise PixelsNeeded(f"{len(bare)} image(s) no longer processed in the engine's cache")
         fresh = not_yet_sent(self.llm, identifiers)
         pixels = [i.image for i in images]
         try:
@@ -92,6 +96,8 @@ class VllmEngine:
                 grids = self._grids.resolve(identifiers, rendered_grids(r.engine_input))
                 if None in grids:  # sent by hash alone and no longer in the memo: render anew
                     again = tuple(d for d, g in zip(identifiers, grids) if g is None)
+                    if bare & set(again):
+                        raise PixelsNeeded("an image's grid is no longer in the memo")
                     forget_sent(self.llm, again)
                     fresh = tuple(dict.fromkeys((*fresh, *again)))  # sent with data once more
                     r = await render_prompt(self.llm, prompt, pixels, identifiers)
@@ -100,6 +106,8 @@ class VllmEngine:
                     raise RuntimeError("vLLM rendered an image without its grid")
                 r.features.mm_grids = {"image": grids} if grids else {}
         except self._refused as e:
+            if bare and "data is not provided" in str(e):  # evicted since the check above
+                raise PixelsNeeded(str(e)) from None
             raise EngineInputError(str(e)) from None
         return Rendered(r.token_ids, r.features, r.engine_input, first_sent=fresh)
 

@@ -23,18 +23,19 @@ import hashlib
 import hmac
 import secrets
 import time
-from typing import Any, Sequence
+from typing import Annotated, Any, Sequence
 
 import msgspec
 
 # 2: `first_token`, prefill's sampled token, which the client already has; decode continues
 # after it. 3: sampling's `min_p`, penalties, `min_tokens` and stop strings (SAMPLING_V3).
 # 4: sampling's `structured` (structured outputs). 5: features' `mm_grids` (M-RoPE position
-# state) and sampling's `logit_bias`.
+# state) and sampling's `logit_bias`. 6: `block_hashes`, the prompt's prefix-cache block hashes
+# as prefill's engine computes them (the router looks them up instead of hashing again).
 # Older versions (1: no first token, decode samples it) stay readable, so a decode tier upgraded
 # first keeps taking an older prefill's handoffs; an older decode refuses a newer one by version.
-VERSION = 5
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, VERSION})
+VERSION = 6
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5, VERSION})
 
 
 # ---- errors: one type per admission rule -------------------------------------------------------
@@ -142,6 +143,16 @@ class Span(_Strict, frozen=True):
     is_embed: list[bool] | None = None
 
 
+class BlockHashes(_Strict, frozen=True):
+    """The prompt's prefix-cache block hashes as the engine computes them (vLLM's hasher with
+    the engines' hash algorithm and seed), one per full block of `block_size` tokens, each as
+    the KV events name it (the low 64 bits). A router with the same block size looks them up
+    instead of hashing the prompt again."""
+
+    block_size: int
+    hashes: list[int]
+
+
 class Grid(_Strict, frozen=True):
     """One image's grid of vision patches as its processor computed it (frames, rows, columns
     before the spatial merge: vLLM's `image_grid_thw`). Three integers, not media: an M-RoPE
@@ -245,14 +256,15 @@ _DEFAULT_SAMPLING = Sampling()
 # later decode.)
 FIELDS_SINCE: dict[tuple[str, ...], int] = {("sampling", "structured"): 4,
                                              ("features", "mm_grids"): 5,
-                                             ("sampling", "logit_bias"): 5}
+                                             ("sampling", "logit_bias"): 5,
+                                             ("block_hashes",): 6}
 
 
 class Handoff(_Strict):
     v: int
     request_id: str
     model_fingerprint: str
-    token_ids: list[int]
+    token_ids: list[Annotated[int, msgspec.Meta(ge=0)]]  # the decoder refuses a negative id
     features: Features
     requires_kv: bool
     kv_transfer_params: dict[str, Any]
@@ -269,6 +281,9 @@ class Handoff(_Strict):
     nonce: str | None = None  # set by `sign` with a TTL: makes the handoff single use
     expires_at: float | None = None  # unix seconds, prefill's clock
     digest: str | None = None  # hex HMAC-SHA256 over the message without it (see `sign`)
+    # (v6) The hashes of `token_ids`' full blocks, as prefill's engine computes them: a hint for
+    # routers, used only when the handoff is authentic. Decode's engine hashes for itself.
+    block_hashes: BlockHashes | None = None
 
     def __repr__(self) -> str:  # never dump token ids or transfer params into logs
         counts = {m: len(h) for m, h in self.features.mm_hashes.items()}
@@ -310,12 +325,25 @@ def decode_handoff(data: bytes) -> Handoff:
         version = _envelope_decoder.decode(data).v
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise MalformedHandoff(f"not a handoff message: {e}") from None
+    return _typed(version, lambda: _decoder.decode(data))
+
+
+def handoff_from_builtins(message: Any) -> Handoff:
+    """As `decode_handoff`, for a message already decoded into Python objects (what a Dynamo
+    handler is given): the same rules, without encoding it again (3x faster for 8k tokens)."""
+    if not isinstance(message, dict):
+        raise MalformedHandoff(f"expected a map, got {type(message).__name__}")
+    return _typed(message.get("v"), lambda: msgspec.convert(message, Handoff))
+
+
+def _typed(version: Any, decode) -> Handoff:
+    """The handoff `decode()` gives, its version first checked, every failure a HandoffError."""
     # `v` may decode to anything (a map, a list: unhashable); only an int names a version
     if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersion(
             f"handoff version {version!r} is not supported (supported: {sorted(SUPPORTED_VERSIONS)})")
     try:
-        handoff = _decoder.decode(data)
+        handoff = decode()
     except msgspec.ValidationError as e:
         msg = str(e)
         if "unknown field" in msg and "$.features" in msg and any(
@@ -339,8 +367,6 @@ def check_structure(h: Handoff) -> None:
         raise MalformedHandoff("request_id is empty")
     if n == 0:
         raise MalformedHandoff("token_ids is empty")
-    if any(t < 0 for t in h.token_ids):
-        raise MalformedHandoff("token_ids holds a negative id")
     hashes, spans = h.features.mm_hashes, h.features.mm_placeholders
     if set(hashes) != set(spans):
         raise FeatureMismatch(
@@ -387,6 +413,11 @@ def check_structure(h: Handoff) -> None:
         if getattr(node, name) is not None:  # each such field defaults to None
             raise MalformedHandoff(f"{'.'.join((*parents, name))} needs handoff version "
                                    f"{FIELDS_SINCE[(*parents, name)]}")
+    if h.block_hashes is not None:
+        size, hashes = h.block_hashes.block_size, h.block_hashes.hashes
+        if size < 1 or len(hashes) != n // size:
+            raise MalformedHandoff(f"{len(hashes)} block hashes of {size} tokens for a "
+                                   f"{n}-token prompt: expected one per full block")
     if h.sampling.structured is not None:
         if h.first_token is not None or h.continued:
             # the grammar starts at decode's first output token: tokens already in the prompt
@@ -425,14 +456,23 @@ def check_admission(h: Handoff, *, fingerprint: str, keys: Sequence[bytes] = (),
     if keys:
         if h.digest is None:
             raise Unsigned("handoff is not signed; this decode takes signed handoffs only")
-        if not any(hmac.compare_digest(h.digest, _mac(h, key)) for key in keys):
+        if not authentic(h, keys):
             raise DigestMismatch("handoff digest does not verify with any of decode's keys")
         if h.nonce is None or h.expires_at is None:
             raise Unsigned("a signed handoff needs a nonce and an expiry")
         if (time.time() if now is None else now) > h.expires_at:
             raise Expired("handoff expired before decode got it")
-    elif h.digest is not None and not hmac.compare_digest(h.digest, _mac(h, b"")):
+    elif not authentic(h):
         raise DigestMismatch("handoff checksum does not verify")
+
+
+def authentic(h: Handoff, keys: Sequence[bytes] = ()) -> bool:
+    """Whether `h` is as its prefill sent it: its digest verifies with one of `keys`; with no
+    keys (an unsigned plane), it is unsigned or its checksum verifies."""
+    if not keys:
+        return h.digest is None or hmac.compare_digest(h.digest, _mac(h, b""))
+    return h.digest is not None and any(hmac.compare_digest(h.digest, _mac(h, key))
+                                        for key in keys)
 
 
 def check_position_state(h: Handoff, grid_merge: int | None) -> None:
