@@ -50,6 +50,12 @@ def _span(h, **kw):
     return {**msgspec.to_builtins(span), **kw}
 
 
+def _repeated(d: dict, times: int) -> None:
+    """The prompt `times` over, without the router's block hashes (one per full block of the
+    original: the handoff's own rule would refuse it before the engine's checks)."""
+    d.update(token_ids=d["token_ids"] * times, block_hashes=None)
+
+
 CASES = {
     "payload": (lambda d, h: d["features"].update(mm_kwargs={"image": [b"\x01" * 100]}),
                 PayloadPresent),
@@ -68,10 +74,9 @@ CASES = {
     "negative-temperature": (lambda d, h: d["sampling"].update(temperature=-1.0),
                              EngineInputError),
     "top-p-0": (lambda d, h: d["sampling"].update(top_p=0.0), EngineInputError),
-    "longer-than-the-model": (lambda d, h: d.update(token_ids=d["token_ids"] * 40),
-                              EngineInputError),
+    "longer-than-the-model": (lambda d, h: _repeated(d, 40), EngineInputError),
     # more tokens than the named blocks hold: vLLM's pull worker would assert and die
-    "more-tokens-than-kv": (lambda d, h: d.update(token_ids=d["token_ids"] * 2), KVMismatch),
+    "more-tokens-than-kv": (lambda d, h: _repeated(d, 2), KVMismatch),
     "fewer-blocks-than-tokens": (lambda d, h: d["kv_transfer_params"].update(
         remote_block_ids=_drop_last_block(d["kv_transfer_params"]["remote_block_ids"])),
         KVMismatch),

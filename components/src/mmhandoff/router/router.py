@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> int:
         from mmhandoff.router.metrics import publish_router_metrics
+        from mmhandoff.serving.registration import lost_message, lost_registration
         from mmhandoff.vllm_adapter.block_hashes import BlockHasher
 
         start_not_ready()
@@ -312,13 +313,23 @@ def main(argv: list[str] | None = None) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await stop.wait()
+        # out of discovery (an etcd lease lost), no frontend would call it again: exit, as a
+        # worker does, so that serve or Kubernetes restarts it (serving/registration.py)
+        lost = asyncio.ensure_future(lost_registration(endpoints["generate"]))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
+        code = 0
+        if lost.done():
+            print(f"[{args.namespace}.{ENDPOINT}] {lost_message(lost.result())}",
+                  file=sys.stderr, flush=True)
+            code = 1
         rt.set_health_status(False)
-        for follow in follows:
-            follow.cancel()
+        for task in (*follows, lost, stopped):
+            task.cancel()
         rt.shutdown()
-        await asyncio.wait(served, timeout=30)
-        return 0
+        if code == 0:
+            await asyncio.wait(served, timeout=30)
+        return code
 
     return run_loop(run())
 

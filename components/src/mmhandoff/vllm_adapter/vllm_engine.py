@@ -105,10 +105,13 @@ class VllmEngine:
                 if None in grids:
                     raise RuntimeError("vLLM rendered an image without its grid")
                 r.features.mm_grids = {"image": grids} if grids else {}
-        except self._refused as e:
-            if bare and "data is not provided" in str(e):  # evicted since the check above
-                raise PixelsNeeded(str(e)) from None
-            raise EngineInputError(str(e)) from None
+        except Exception as e:
+            if bare:  # evicted since the check above, or a vLLM that cannot: pixels decide
+                forget_sent(self.llm, fresh)  # the retry sends these with their data again
+                raise PixelsNeeded(f"a render without pixels failed: {e!r}") from e
+            if isinstance(e, self._refused):
+                raise EngineInputError(str(e)) from None
+            raise
         return Rendered(r.token_ids, r.features, r.engine_input, first_sent=fresh)
 
     def block_hashes(self, rendered: Rendered, cache_salt: str | None, upto: int) -> list:
