@@ -107,8 +107,8 @@ class PrefillWorker:
                 prompt_tokens=len(rendered.token_ids),
                 prepare_ms=(time.perf_counter() - t0) * 1e3, prefill_ms=0.0, bypassed=True))
         # the handoff's block hashes, beside the engine's prefill (routers look them up)
-        hashing = asyncio.get_running_loop().run_in_executor(
-            None, self.engine.block_hashes, rendered, request.cache_salt, len(rendered.token_ids))
+        hashing = asyncio.get_running_loop().run_in_executor(None, self._hashes, request,
+                                                             rendered)
         for attempt in (1, 2):
             if attempt == 2:
                 rendered = await self._render(request, images)
@@ -181,8 +181,7 @@ class PrefillWorker:
             token_ids=rendered.token_ids, features=rendered.features,
             requires_kv=bool(rendered.features.mm_hashes), kv_transfer_params={},
             sampling=request.sampling, cache_salt=request.cache_salt,
-            block_hashes=carried(self.engine.block_hashes(
-                rendered, request.cache_salt, len(rendered.token_ids)), self.engine.block_size))
+            block_hashes=carried(self._hashes(request, rendered), self.engine.block_size))
         if self.key is not None:  # before the router sees it: it trusts signed hashes only
             handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
         try:
@@ -194,6 +193,10 @@ class PrefillWorker:
         if not decode_can_answer(handoff, held, self.engine.block_size, self.bypass_max_tokens):
             return None
         return handoff
+
+    def _hashes(self, request: PrefillRequest, rendered: Rendered) -> list:
+        """The engine's hashes of the prompt's full blocks (what routers look up)."""
+        return self.engine.block_hashes(rendered, request.cache_salt, len(rendered.token_ids))
 
     def _publish_prefixes(self, publish: Callable[[dict[str, list]], None],
                           request: PrefillRequest, rendered: Rendered, hashes: list) -> None:
