@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MMHANDOFF_VENV:-.venv}
-STAMP="$VENV/.mmhandoff-setup-v9"
+STAMP="$VENV/.mmhandoff-setup-v10"
 PY=${PYTHON:-python3}
 if [ -f "$STAMP" ]; then exit 0; fi
 
@@ -39,6 +39,8 @@ else
 fi
 "$VENV/bin/python" -c "import vllm, nixl, dynamo.runtime, torchvision" 2>/dev/null \
   || { log "set-up check failed: vllm, nixl, dynamo.runtime or torchvision does not import"; exit 1; }
+# vLLM 0.26's Python source (the lent GPU's version), read by tests/test_vllm_versions.py
+"$VENV/bin/python" scripts/vllm_source.py fetch >/dev/null
 log "building the tiny test models (cached)"
 "$VENV/bin/mmhandoff" make-tiny-model >/dev/null
 "$VENV/bin/mmhandoff" make-tiny-model --arch qwen2_vl >/dev/null

@@ -34,9 +34,13 @@ class BlockHasher:
             raise ValueError(f"block_size must be positive, got {block_size}")
         fn = get_hash_fn_by_name(hash_algo)  # ValueError for an unknown algorithm
         if _settings is None:
-            if kv_cache_utils._NONE_HASH_SEED not in (None, str(seed)):  # an engine in-process
+            # An engine in this process already seeded vLLM's global: 0.31 records the seed it
+            # used; 0.26 does not (the name is guarded: scripts/vllm_source.py), so there the
+            # check is ours alone (_settings).
+            engine_seed = getattr(kv_cache_utils, "_NONE_HASH_SEED", None)
+            if engine_seed not in (None, str(seed)):
                 raise ValueError(f"this process's vLLM hashes blocks with seed "
-                                 f"{kv_cache_utils._NONE_HASH_SEED!r}; asked for {seed}")
+                                 f"{engine_seed!r}; asked for {seed}")
             saved = os.environ.get("PYTHONHASHSEED")
             os.environ["PYTHONHASHSEED"] = str(seed)  # how the engine core derives it
             try:
