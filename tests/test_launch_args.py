@@ -99,3 +99,19 @@ def test_a_built_in_tiny_model_is_named_and_a_folder_of_that_name_wins(monkeypat
     (tmp_path / "tiny-qwen2-vl").mkdir()
     assert model_folder("tiny-qwen2-vl") == "tiny-qwen2-vl"
     assert built == ["llava", "qwen2_vl"]
+
+
+def test_a_dummy_shape_is_a_model_name_with_random_bf16_weights(monkeypatch):
+    import mmhandoff.models.dummy as dummy
+
+    monkeypatch.setattr(dummy, "ensure_dummy_model", lambda shape: f"/cache/dummy-{shape}")
+    args = parser("prefill").parse_args(["--model", "dummy:llava-1.5-7b"])
+    spec = engine_spec(args, "prefill")
+    assert spec.model == "/cache/dummy-llava-1.5-7b"
+    assert spec.extra == {"load_format": "dummy", "dtype": "bfloat16"}
+    args = parser("prefill").parse_args(["--model", "dummy:llava-1.5-7b",
+                                         "--engine-arg", "dtype=float16"])
+    assert engine_spec(args, "prefill").extra["dtype"] == "float16"  # the user's word wins
+    monkeypatch.undo()
+    with pytest.raises(SystemExit, match="unknown model shape 'nope'"):
+        engine_spec(parser("decode").parse_args(["--model", "dummy:nope"]), "decode")

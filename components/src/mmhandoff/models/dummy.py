@@ -28,6 +28,16 @@ SHAPES = {
                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
                      max_position_embeddings=4096),
     },
+    # TinyLLaVA (the LLaVA-1.5 layout): CLIP ViT-L/14 at 336 px and TinyLlama-1.1B (grouped
+    # query attention, 4 KV heads): four engines fit on one 80 GB GPU
+    "tinyllava-1.1b": {
+        "vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                       num_attention_heads=16, image_size=336, patch_size=14,
+                       projection_dim=768),
+        "text": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                     num_attention_heads=32, num_key_value_heads=4, vocab_size=32064,
+                     max_position_embeddings=4096),
+    },
 }
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
            "generation_config.json", "chat_template.jinja", "processor_config.json")

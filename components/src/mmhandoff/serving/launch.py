@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +28,8 @@ from mmhandoff.serving.addresses import default_host
 def parser(role: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m mmhandoff.{role}")
     p.add_argument("--model", help="model folder, or a built-in tiny model: tiny-llava (the "
-                   "default) or tiny-qwen2-vl (built if missing)")
+                   "default) or tiny-qwen2-vl (built if missing), or dummy:<shape> (a real "
+                   "architecture with random weights, for GPUs: dummy:llava-1.5-7b)")
     p.add_argument("--namespace", default="mmhandoff")
     p.add_argument("--cpu-cores", help='CPU machines: cores for the engine, e.g. "0" or "0-1"')
     p.add_argument("--nixl-port", type=int, help="NIXL side-channel port of this engine")
@@ -107,12 +109,21 @@ def _ip(value: str) -> str:
 
 # Built-in tiny models by name (mmhandoff.models): a folder of that name, if any, comes first.
 TINY_MODELS = {"tiny-llava": "llava", "tiny-qwen2-vl": "qwen2_vl"}
+DUMMY_PREFIX = "dummy:"  # "dummy:llava-1.5-7b": a real shape, random weights (models/dummy.py)
 
 
 def model_folder(model: str | None) -> str:
-    """The folder `--model` names: a folder, or a built-in tiny model (built if missing)."""
+    """The folder `--model` names: a folder, a built-in tiny model (built if missing), or
+    `dummy:<shape>` (a real architecture's config without weights, written if missing)."""
     from mmhandoff.models.tiny import ensure_tiny_model
 
+    if model is not None and model.startswith(DUMMY_PREFIX) and not Path(model).exists():
+        from mmhandoff.models.dummy import ensure_dummy_model
+
+        try:
+            return str(ensure_dummy_model(model[len(DUMMY_PREFIX):]))
+        except ValueError as e:
+            raise SystemExit(f"--model {model}: {e}") from None
     if model is not None and (model not in TINY_MODELS or Path(model).exists()):
         return model
     return str(ensure_tiny_model(arch=TINY_MODELS[model or "tiny-llava"]))
@@ -122,10 +133,13 @@ def engine_spec(args: argparse.Namespace, role: str, kv_events_endpoint: str | N
     """The EngineSpec a component's command line asks for."""
     from mmhandoff.vllm_adapter import EngineSpec
 
+    extra = dict(args.engine_arg)
+    if (args.model or "").startswith(DUMMY_PREFIX):  # no weights to load: random ones, in bf16
+        extra = {"load_format": "dummy", "dtype": "bfloat16", **extra}
     return EngineSpec(model=model_folder(args.model), role=role,
                       cpu_cores=args.cpu_cores, nixl_port=args.nixl_port,
                       nixl_host=args.nixl_host, kv_lease_s=args.kv_lease_s,
-                      kv_events_endpoint=kv_events_endpoint, extra=dict(args.engine_arg))
+                      kv_events_endpoint=kv_events_endpoint, extra=extra)
 
 
 def run(role: str, spec_role: str | Callable, endpoint: str, make_worker: Callable,
@@ -159,7 +173,9 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     args.handoff_keys = handoff_keys(args)  # before the engine starts: a bad key fails at once
     start_not_ready()
     load = EngineLoad()
+    t0 = time.monotonic()
     engine = start_engine(spec, load)
+    engine_s = time.monotonic() - t0
     rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,
                  request_plane=args.request_plane, nixl_host=args.nixl_host)
     path = f"{args.namespace}.{endpoint}"
@@ -194,7 +210,9 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     rt.set_health_status(True)
-    print(f"[{path}] ready", file=sys.stderr, flush=True)
+    # the start's cost, to see a compile cache work (a GPU engine's first start compiles)
+    print(f"[{path}] ready: engine started in {engine_s:.1f} s, warmed up in "
+          f"{time.monotonic() - t0 - engine_s:.1f} s", file=sys.stderr, flush=True)
     stopped = asyncio.ensure_future(stop.wait())
     watch = asyncio.ensure_future(watch_engine(rt, engine, path))
     lost = asyncio.ensure_future(lost_registration(served_endpoint))

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Mapping
 from pathlib import Path
 
+from mmhandoff.serving.gpus import PlacementError, Slot, place, share_args, visible_gpus
 from mmhandoff.serving.graph import Component
 from mmhandoff.serving.health import ENGINE_DEAD, free_system_port
 from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV
@@ -174,6 +175,17 @@ class Supervisor:
         self.port_override = port
         self.replicas: list[Replica] = []
         self.stopping = False
+        # each engine replica's GPU and share (gpus.py); refused here, before anything starts
+        engines = [(c.module, self.replica_count(c),
+                    self.config.get("components", {}).get(c.module) or {})
+                   for c in components if c.engine]
+        try:
+            self.slots: dict[str, Slot] = place(engines, visible_gpus(
+                {**os.environ, **{k: str(v) for k, v in (config.get("env") or {}).items()}}))
+        except PlacementError as e:
+            raise GraphError(str(e)) from None
+        self.pending: list[tuple[Component, int]] = []  # replicas waiting for their GPU
+        self.ready: set[str] = set()
         self.run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-run-"))
 
     def command(self, component) -> list[str]:
@@ -193,9 +205,23 @@ class Supervisor:
     def start(self) -> None:
         self.env = graph_env(self.config, os.environ, self.run_dir)
         Path(self.env["TMPDIR"]).mkdir(exist_ok=True)
-        for component in self.components:
-            for i in range(self.replica_count(component)):
-                self.replicas.append(self._launch(component, i))
+        for name, slot in self.slots.items():
+            print(f"[serve] {name}: GPU {slot.gpu}"
+                  + (f", {slot.share:.2f} of its memory" if slot.share is not None else "")
+                  + (f", starts once {', '.join(slot.shared_with)} is ready"
+                     if slot.shared_with else ""), flush=True)
+        self.pending = [(c, i) for c in self.components for i in range(self.replica_count(c))]
+        self.start_due()
+
+    def start_due(self) -> None:
+        """Start the pending replicas whose GPU has no other engine still starting (vLLM sizes
+        an engine's KV cache from the memory free meanwhile)."""
+        for component, i in list(self.pending):
+            slot = self.slots.get(f"{component.module}-{i}")
+            if slot is not None and not all(n in self.ready for n in slot.shared_with):
+                continue
+            self.pending.remove((component, i))
+            self.replicas.append(self._launch(component, i))
 
     def replica_count(self, component) -> int:
         spec = self.config.get("components", {}).get(component.module) or {}
@@ -209,8 +235,11 @@ class Supervisor:
             # once the worker is ready. One port per replica, always serve's choice (a YAML
             # value would collide).
             own["DYN_SYSTEM_PORT"] = str(free_system_port())
-        command, env, address = self.placed(component, self.command(component),
-                                            {**self.env, **own})
+        command = self.command(component)
+        if (slot := self.slots.get(name)) is not None:
+            own["CUDA_VISIBLE_DEVICES"] = slot.gpu
+            command += share_args(spec, slot)
+        command, env, address = self.placed(component, command, {**self.env, **own})
         health = (self.frontend_url() + "/health" if component.module == "frontend"
                   else f"http://{address}:{own['DYN_SYSTEM_PORT']}/health")
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
@@ -263,9 +292,14 @@ class Supervisor:
         return f"http://127.0.0.1:{port}"
 
     def wait_ready(self, stop_requested, timeout_s: float = 900) -> bool:
-        t0, last, waiting = time.monotonic(), 0.0, list(self.replicas)
+        t0, last = time.monotonic(), 0.0
         while time.monotonic() - t0 < timeout_s and not self.dead() and not stop_requested():
-            waiting = [r for r in waiting if not self.answers(r.health_url)]
+            for r in self.replicas:
+                if r.name not in self.ready and self.answers(r.health_url):
+                    self.ready.add(r.name)
+            self.start_due()
+            waiting = [r.name for r in self.replicas if r.name not in self.ready] + [
+                f"{c.module}-{i} (queued for its GPU)" for c, i in self.pending]
             if not waiting:
                 print(f"[serve] ready: {self.frontend_url()}/v1 "
                       f"({time.monotonic() - t0:.0f} s)", flush=True)
@@ -273,7 +307,7 @@ class Supervisor:
             if time.monotonic() - last > 15:
                 last = time.monotonic()
                 print(f"[serve] starting ... {time.monotonic() - t0:.0f} s; waiting for "
-                      f"{', '.join(r.name for r in waiting)}", flush=True)
+                      f"{', '.join(waiting)}", flush=True)
             time.sleep(0.5)
         return False
 

@@ -31,6 +31,15 @@ KV_STATS_SCHEDULER = "mmhandoff.vllm_adapter.scheduler.KvStatsScheduler"
 CONNECTOR = "mmhandoff.vllm_adapter.connector.MMHandoffNixlConnector"
 
 
+# What an EngineSpec field left at None becomes, per platform; a GPU takes vLLM's own default
+# for each (a missing entry). On a CPU: eager (compiling the model costs minutes on 2 cores for
+# nothing), a context that fits the tests' prompts, and a batch the 2-core machine can step.
+PLATFORM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"max_model_len": 2048, "max_num_seqs": 8, "enforce_eager": True},
+    "gpu": {},
+}
+
+
 @dataclass
 class EngineSpec:
     """What a role needs to start one engine; everything else takes vLLM's defaults."""
@@ -38,9 +47,11 @@ class EngineSpec:
     model: str
     role: Role
     block_size: int = 32  # vLLM CPU attention needs a multiple of 32
-    max_model_len: int = 2048
-    max_num_seqs: int = 8
-    enforce_eager: bool = True
+    # None: the platform's default (PLATFORM_DEFAULTS): vLLM's own on a GPU (CUDA graphs and
+    # compilation, its batch limit, the model's context length), small ones on a CPU
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool | None = None
     dtype: str = "auto"
     seed: int = 0
     kv_cache_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
@@ -97,9 +108,7 @@ def engine_args(spec: EngineSpec):
         model=spec.model,
         tokenizer=spec.model,
         block_size=spec.block_size,
-        max_model_len=spec.max_model_len,
-        max_num_seqs=spec.max_num_seqs,
-        enforce_eager=spec.enforce_eager,
+        **platform_settings(spec, "cpu" if on_cpu() else "gpu"),
         dtype=spec.dtype,
         seed=spec.seed,
         enable_prefix_caching=True,
@@ -141,6 +150,19 @@ def engine_args(spec: EngineSpec):
         )
     kw.update(spec.extra)
     return AsyncEngineArgs(**kw)
+
+
+def platform_settings(spec: EngineSpec, platform: str) -> dict[str, Any]:
+    """The spec's batch, context and compilation settings: each one set in the spec, else the
+    platform's default; one neither sets is left to vLLM."""
+    out = {}
+    for name in ("max_model_len", "max_num_seqs", "enforce_eager"):
+        value = getattr(spec, name)
+        if value is None:
+            value = PLATFORM_DEFAULTS[platform].get(name)
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def _no_vision_tower(model: str) -> dict[str, Any]:
