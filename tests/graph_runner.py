@@ -33,7 +33,7 @@ class Graph:
 
     def __init__(self, target: str, config: str, tmp: Path, *, frontend_args=(),
                  wait_ready: bool = True, command=(sys.executable, "-m", "mmhandoff"),
-                 cwd: Path | None = None, **overrides):
+                 cwd: Path | None = None, ready_s: float = READY_S, **overrides):
         spec = yaml.safe_load(Path(config).read_text())
         spec.update(overrides)
         spec["components"]["frontend"]["args"] += list(frontend_args)
@@ -54,7 +54,7 @@ class Graph:
         self.started = []
         if not wait_ready:
             return
-        if not self.ready.wait(READY_S):
+        if not self.ready.wait(ready_s):
             self.kill()
             raise AssertionError("graph not ready:\n" + self.tail())
         self.started = psutil.Process(self.proc.pid).children(recursive=True)

@@ -85,3 +85,20 @@ def test_a_gpu_engine_takes_vllms_own_defaults_and_a_cpu_engine_the_small_ones(m
         model="m", role="prefill", max_num_seqs=64, enforce_eager=True,
         extra={"max_model_len": 4096}))
     assert tuple(getattr(set_here, n) for n in names) == (4096, 64, True)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_kv_schedulers_follow_vllms_async_scheduling(async_scheduling):
+    """vLLM schedules asynchronously by default and loads a `scheduler_cls` as it is: a subclass
+    of the plain Scheduler would make every decode step wait for the previous one's output."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from mmhandoff.vllm_adapter import scheduler
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+    for cls in (scheduler.FailClosedScheduler, scheduler.KvStatsScheduler):
+        made = cls.__new__(cls, vllm_config=config)
+        assert isinstance(made, cls)  # so Python runs its __init__
+        assert isinstance(made, AsyncScheduler) == async_scheduling

@@ -36,7 +36,10 @@ def gpu(loop):
 
     # MMHANDOFF_GPU_KV_PER_LAYER=1: the same tests with vLLM's per-layer KV layout (one NIXL
     # descriptor per layer and K/V) instead of EngineSpec's default (one per block)
+    # eager: these tests check the handoff's logic on a real-size shape; CUDA graphs and
+    # compilation (the GPU default) are what test_gpu_served.py's graphs run
     common = dict(model=str(ensure_dummy_model("llava-1.5-7b")), dtype="bfloat16",
+                  enforce_eager=True,
                   extra={"load_format": "dummy"}, gpu_memory_utilization=0.25,
                   kv_blocks_across_layers=os.environ.get("MMHANDOFF_GPU_KV_PER_LAYER") != "1")
     ports = {role: free_port() for role in ("prefill", "decode")}

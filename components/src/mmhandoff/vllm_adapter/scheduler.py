@@ -20,6 +20,7 @@ the handoff and the full-media request can be compared on what they really pulle
 
 from __future__ import annotations
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
@@ -56,6 +57,17 @@ class KvStatsScheduler(Scheduler):
     """Puts {"covered", "local", "external"} (KV_STATS_KEY) in the last output of each request
     with media: its prompt tokens already computed, from the local prefix cache and pulled, as
     vLLM counted them when it first scheduled the request's computation."""
+
+    def __new__(cls, *args, **kwargs):
+        # vLLM turns async scheduling on by default (the next step is scheduled while the GPU
+        # runs this one) and does not ask whether a `scheduler_cls` can do it: a subclass of the
+        # plain Scheduler then schedules each request every other step (decode's inter-token
+        # time). Under async scheduling the engine gets the same class over AsyncScheduler.
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        if (config is not None and config.scheduler_config.async_scheduling
+                and not issubclass(cls, AsyncScheduler)):
+            cls = ASYNC_VARIANT[cls]
+        return super().__new__(cls)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -133,3 +145,17 @@ class FailClosedScheduler(KvStatsScheduler):
         for client_index, output in failed:
             outputs.setdefault(client_index, EngineCoreOutputs()).outputs.append(output)
         return outputs
+
+
+# The same schedulers over vLLM's AsyncScheduler (MRO: ours, then AsyncScheduler, then
+# Scheduler), chosen by KvStatsScheduler.__new__ when the engine schedules asynchronously.
+class AsyncKvStatsScheduler(KvStatsScheduler, AsyncScheduler):
+    pass
+
+
+class AsyncFailClosedScheduler(FailClosedScheduler, AsyncScheduler):
+    pass
+
+
+ASYNC_VARIANT = {KvStatsScheduler: AsyncKvStatsScheduler,
+                 FailClosedScheduler: AsyncFailClosedScheduler}

@@ -1,0 +1,359 @@
+"""mmhandoff against the anchors on one GPU: plain `vllm serve`, vLLM's own P/D (NixlConnector and
+the two-step proxy), mmhandoff's agg and disagg graphs; same model, same client, same images.
+
+    python benchmarks/vs_vllm.py [--arms vllm,vllm-pd,agg,disagg] [--out results.json]
+    python benchmarks/vs_vllm.py --report a.json b.json      # the tables and ratios of runs
+
+Arms, one up at a time, each with what its own configuration gives it on one GPU:
+- vllm:    `vllm serve` (the OpenAI server), vLLM's defaults but the dummy weights;
+- vllm-pd: two `vllm serve`, prefill (kv_producer) and decode (kv_consumer, cuda_ipc GET on as
+           docs/gpu.md says), 0.45 of the GPU each, started one after the other; the client does
+           the toy proxy's two steps: prefill with max_tokens 1 and `do_remote_decode`, then decode
+           with the same request and prefill's `kv_transfer_params` (decode re-processes the
+           image, as vLLM's P/D does);
+- agg:     `mmhandoff serve graphs.agg:Frontend -f configs/gpu/agg.yaml`;
+- disagg:  `mmhandoff serve graphs.disagg:Frontend -f configs/gpu/disagg.yaml` (prefill and decode
+           share the GPU, 0.45 each).
+The shipped configs as they are: no engine argument is passed by hand. The client (aiohttp,
+streaming chat, greedy, `ignore_eos`, MAX_TOKENS output tokens) sends distinct JPEGs (no prefix
+cache helps), at 640x480 and 12 MP, at 1, 8 and 32 in flight (12 MP: 1 and 8). Per cell: TTFT
+p50/p95 (request sent to the first content token received), inter-token p50 (each request's mean
+gap between content chunks), requests/s. Then the issue's ratios: disagg / vLLM P/D requests/s
+(target >= 1.0 in every cell), disagg / vLLM P/D TTFT p50 at 12 MP (<= 0.75), agg / vllm serve
+requests/s at C8 and C32 (>= 0.95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import jpeg, pct, port  # noqa: E402
+
+MAX_TOKENS = 32
+MODEL_NAME = "llava-1.5-7b"
+SHAPE = "llava-1.5-7b"
+CELLS = [("640x480", 1, 8), ("640x480", 8, 32), ("640x480", 32, 64),
+         ("12MP", 1, 6), ("12MP", 8, 16)]  # (image, concurrency, requests)
+SIZES = {"640x480": (640, 480), "12MP": (4000, 3000)}
+ARMS = ("vllm", "vllm-pd", "agg", "disagg")
+PD_SHARE = 0.45  # as configs/gpu/disagg.yaml's engines on one GPU
+
+
+PROFILED = ("640x480", 32, 128)  # --profile: this cell again, under py-spy
+
+
+def images() -> dict[str, list[str]]:
+    """Distinct data URIs per image size: enough for every cell plus a warm-up (and the profiled
+    cell), shared by the arms (each arm's engines are fresh, so no arm finds another's images
+    cached)."""
+    out = {}
+    for size, (w, h) in SIZES.items():
+        n = sum(r for s, _, r in CELLS if s == size) + 4
+        n += PROFILED[2] if size == PROFILED[0] else 0
+        out[size] = ["data:image/jpeg;base64," + base64.b64encode(jpeg(w, h, 7000 + i)).decode()
+                     for i in range(n)]
+    return out
+
+
+def body(uri: str, **kw) -> dict:
+    return {"model": MODEL_NAME, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": uri}},
+                {"type": "text", "text": "Describe the picture."}]}], **kw}
+
+
+class Server:
+    """A process group of ours (a `vllm serve` or a `mmhandoff serve`) answering on `port`."""
+
+    def __init__(self, name: str, command: list[str], port_: int, log_dir: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name, self.url = name, f"http://127.0.0.1:{port_}"
+        self.log_path = log_dir / f"{name}.log"
+        self.log = open(self.log_path, "w")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(command, cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
+
+    def wait(self, timeout_s: float = 600) -> float:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited ({self.proc.returncode}):\n"
+                                 + self.log_path.read_text()[-3000:])
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - self.t0
+            except OSError:
+                pass
+            time.sleep(1)
+        raise SystemExit(f"{self.name} not ready in {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+        _wait_session_gone(self.proc.pid)
+        self.log.close()
+
+
+def _wait_session_gone(sid: int, timeout_s: float = 60) -> None:
+    """The engine processes free the GPU only once they are gone: the next arm needs it whole."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [p for p in psutil.process_iter() if _sid(p.pid) == sid]
+        if not left:
+            return
+        time.sleep(0.5)
+    for p in psutil.process_iter():
+        if _sid(p.pid) == sid:
+            p.kill()
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def vllm_command(model: str, p: int, share: float | None, role: str | None) -> list[str]:
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--load-format", "dummy", "--dtype", "bfloat16", "--port", str(p),
+               "--served-model-name", MODEL_NAME]
+    if share is not None:
+        command += ["--gpu-memory-utilization", str(share)]
+    if role is not None:
+        command += ["--kv-transfer-config", json.dumps(
+            {"kv_connector": "NixlConnector", "kv_role": role})]
+    return command
+
+
+def start_arm(arm: str, model: str, log_dir: Path) -> tuple[list[Server], float]:
+    """The arm's servers, up; and how long they took to start."""
+    t0 = time.monotonic()
+    if arm == "vllm":
+        servers = [Server("vllm", vllm_command(model, p := port(), None, None), p, log_dir)]
+        servers[0].wait()
+    elif arm == "vllm-pd":
+        servers = []
+        for role, name in (("kv_producer", "vllm-prefill"), ("kv_consumer", "vllm-decode")):
+            env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port()), "UCX_NET_DEVICES": "lo"}
+            if role == "kv_consumer":
+                env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
+            servers.append(Server(name, vllm_command(model, p := port(), PD_SHARE, role), p,
+                                  log_dir, env))
+            servers[-1].wait()  # one after the other: vLLM sizes its KV from free memory
+    else:
+        p = port()
+        servers = [Server(arm, [sys.executable, "-m", "mmhandoff", "serve",
+                                f"graphs.{arm}:Frontend", "-f", f"configs/gpu/{arm}.yaml",
+                                "--port", str(p)], p, log_dir)]
+        servers[0].wait(900)
+    return servers, time.monotonic() - t0
+
+
+async def one_request(session, arm: str, servers: list[Server], uri: str) -> tuple[float, float]:
+    """(TTFT s, mean inter-token gap s) of one streamed answer."""
+    t0 = time.perf_counter()
+    target = servers[-1].url
+    request = body(uri)
+    if arm == "vllm-pd":  # the toy proxy's first step
+        first = body(uri, max_tokens=1, stream=False, kv_transfer_params={
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None})
+        async with session.post(servers[0].url + "/v1/chat/completions", json=first) as r:
+            assert r.status == 200, await r.text()
+            request["kv_transfer_params"] = (await r.json())["kv_transfer_params"]
+    times = []
+    async with session.post(target + "/v1/chat/completions", json=request) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", ())):
+                times.append(time.perf_counter())
+    assert times, "no content"
+    gaps = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    return times[0] - t0, gaps
+
+
+async def cell(session, arm, servers, uris: list[str], concurrency: int) -> dict:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(uri):
+        async with gate:
+            return await one_request(session, arm, servers, uri)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(u) for u in uris))
+    wall = time.perf_counter() - t0
+    ttfts = [r[0] for r in results]
+    return {"requests": len(uris), "ttft_p50_ms": pct(ttfts, 50) * 1e3,
+            "ttft_p95_ms": pct(ttfts, 95) * 1e3,
+            "itl_p50_ms": statistics.median(r[1] for r in results) * 1e3,
+            "rps": len(uris) / wall}
+
+
+def start_profilers(servers: list[Server], out_dir: Path, arm: str) -> list:
+    """py-spy on every Python process of the arm's servers that serves requests (collapsed
+    stacks: `py-spy record --format raw`), until stopped."""
+    import psutil
+
+    procs = []
+    for server in servers:
+        for p in [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(
+                recursive=True)]:
+            line = " ".join(p.cmdline())
+            role = next((r for r in ("frontend", "agg", "prefill", "decode", "api_server")
+                         if f"mmhandoff.{r}" in line or f"openai.{r}" in line), None)
+            if role is None or "VLLM" in p.name():
+                continue
+            procs.append(subprocess.Popen(
+                ["py-spy", "record", "--format", "raw", "--rate", "200", "--nonblocking",
+                 "--pid", str(p.pid), "-o", str(out_dir / f"profile-{server.name}-{role}.txt")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return procs
+
+
+def stop_profilers(procs: list) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+async def run_arm(arm: str, model: str, pool: dict, log_dir: Path,
+                  profile: Path | None = None) -> dict:
+    import aiohttp
+
+    print(f"[vs_vllm] {arm}: starting", flush=True)
+    servers, start_s = start_arm(arm, model, log_dir)
+    print(f"[vs_vllm] {arm}: up in {start_s:.0f} s", flush=True)
+    out = {"start_s": start_s, "cells": {}}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            for size in SIZES:  # warm-up: the first requests of a fresh engine are slow
+                await cell(session, arm, servers, pool[size][:4], 4)
+            used = {size: 4 for size in SIZES}
+            for size, conc, n in CELLS:
+                uris = pool[size][used[size]:used[size] + n]
+                used[size] += n
+                result = await cell(session, arm, servers, uris, conc)
+                out["cells"][f"{size} C{conc}"] = result
+                print(f"[vs_vllm] {arm} {size} C{conc}: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in result.items()), flush=True)
+            if profile is not None:
+                size, conc, n = PROFILED
+                profilers = start_profilers(servers, profile, arm)
+                try:
+                    result = await cell(session, arm, servers,
+                                        pool[size][used[size]:used[size] + n], conc)
+                finally:
+                    stop_profilers(profilers)
+                out["profiled"] = result
+                print(f"[vs_vllm] {arm} profiled {size} C{conc}: {result}", flush=True)
+    finally:
+        for s in reversed(servers):
+            s.stop()
+    return out
+
+
+def report(results: dict) -> None:
+    cells = [f"{s} C{c}" for s, c, _ in CELLS]
+    arms = [a for a in ARMS if a in results]
+    print(f"\n{MAX_TOKENS} output tokens, {SHAPE} shape (dummy weights, bf16), one GPU\n")
+    print("| arm | start s | " + " | ".join(f"{c} TTFT p50/p95 ms, ITL ms, req/s"
+                                            for c in cells) + " |")
+    print("|---|---|" + "---|" * len(cells))
+    for arm in arms:
+        r = results[arm]["cells"]
+        print(f"| {arm} | {results[arm]['start_s']:.0f} | " + " | ".join(
+            f"{r[c]['ttft_p50_ms']:.0f} / {r[c]['ttft_p95_ms']:.0f}, {r[c]['itl_p50_ms']:.1f}, "
+            f"{r[c]['rps']:.2f}" if c in r else "-" for c in cells) + " |")
+
+    def ratio(a, b, c, key):
+        try:
+            return results[a]["cells"][c][key] / results[b]["cells"][c][key]
+        except KeyError:
+            return float("nan")
+
+    print()
+    for c in cells:
+        line = [f"{c}:"]
+        if {"disagg", "vllm-pd"} <= set(arms):
+            line.append(f"disagg/vLLM P/D req/s {ratio('disagg', 'vllm-pd', c, 'rps'):.2f} "
+                        f"(>= 1.0), TTFT p50 {ratio('disagg', 'vllm-pd', c, 'ttft_p50_ms'):.2f}"
+                        + (" (<= 0.75)" if c.startswith("12MP") else ""))
+        if {"agg", "vllm"} <= set(arms):
+            line.append(f"agg/vllm serve req/s {ratio('agg', 'vllm', c, 'rps'):.2f}"
+                        + (" (>= 0.95)" if c.endswith(("C8", "C32")) else ""))
+        print(" ".join(line))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--out", help="write the results (JSON) here too")
+    parser.add_argument("--profile", metavar="DIR",
+                        help=f"after the cells, run {PROFILED[0]} at C{PROFILED[1]} again with "
+                             "py-spy on each serving process (collapsed stacks into DIR)")
+    parser.add_argument("--report", nargs="+", metavar="JSON",
+                        help="print the tables of earlier runs' results, merged")
+    args = parser.parse_args(argv)
+    if args.report:
+        merged = {}
+        for path in args.report:
+            merged.update(json.loads(Path(path).read_text()))
+        report(merged)
+        return 0
+    arms = args.arms.split(",")
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
+    from mmhandoff.models.dummy import ensure_dummy_model
+
+    model = str(ensure_dummy_model(SHAPE))
+    log_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="vs-vllm-"))
+    t0 = time.monotonic()
+    pool = images()
+    print(f"[vs_vllm] images ready in {time.monotonic() - t0:.0f} s; logs in {log_dir}",
+          flush=True)
+    profile = Path(args.profile) if args.profile else None
+    results = {arm: asyncio.run(run_arm(arm, model, pool, log_dir, profile)) for arm in arms}
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    report(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
