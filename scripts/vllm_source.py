@@ -476,8 +476,8 @@ def main(argv: list[str]) -> int:
         print(f"{len({u.target for u in found})} vLLM names used in {len(found)} places; "
               f"checked against {', '.join(sources)}")
         for version, use, missing in report:
-            print(f"  vLLM {version}: {use.target} ({use.where}){' [guarded]' if use.guarded else ''}"
-                  f": {missing}")
+            guarded = " [guarded]" if use.guarded else ""
+            print(f"  vLLM {version}: {use.target} ({use.where}){guarded}: {missing}")
         return 1 if any(not u.guarded for _, u, _ in report) else 0
     print(__doc__)
     return 2

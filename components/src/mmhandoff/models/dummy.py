@@ -18,22 +18,21 @@ from pathlib import Path
 
 from mmhandoff.models.tiny import default_cache_dir, ensure_tiny_model
 
-# LLaVA-1.5-7B: CLIP ViT-L/14 at 336 px (576 image tokens) and Llama-2-7B.
+# CLIP ViT-L/14 at 336 px: 576 image tokens
+_CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                   num_attention_heads=16, image_size=336, patch_size=14, projection_dim=768)
+# LLaVA-1.5-7B: CLIP ViT-L/14 at 336 px and Llama-2-7B.
 SHAPES = {
     "llava-1.5-7b": {
-        "vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                       num_attention_heads=16, image_size=336, patch_size=14,
-                       projection_dim=768),
+        "vision": _CLIP_L_336,
         "text": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
                      max_position_embeddings=4096),
     },
-    # TinyLLaVA (the LLaVA-1.5 layout): CLIP ViT-L/14 at 336 px and TinyLlama-1.1B (grouped
+    # TinyLLaVA (the LLaVA-1.5 layout): the same CLIP and TinyLlama-1.1B (grouped
     # query attention, 4 KV heads): four engines fit on one 80 GB GPU
     "tinyllava-1.1b": {
-        "vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                       num_attention_heads=16, image_size=336, patch_size=14,
-                       projection_dim=768),
+        "vision": _CLIP_L_336,
         "text": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                      num_attention_heads=32, num_key_value_heads=4, vocab_size=32064,
                      max_position_embeddings=4096),
