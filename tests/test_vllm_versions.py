@@ -41,6 +41,14 @@ def test_a_name_one_version_lacks_fails_the_check(sources):
         ("0.26.0", "vllm.v1.core.kv_cache_utils._NONE_HASH_SEED", False)]
 
 
+def test_a_name_absent_on_purpose_from_the_contract_still_fails_in_code(sources):
+    """ABSENT excuses a CONTRACT entry, not the code: code using the name must guard it."""
+    (name, versions), = ABSENT.items()
+    module, _, attr = name.rpartition(".")
+    report = check(sources, file_uses(f"from {module} import {attr}\n", "scratch.py"))
+    assert sorted(v for v, _, _ in report) == sorted(versions)
+
+
 @pytest.mark.parametrize("code", [
     "from vllm.v1.request import RequestStatus\nRequestStatus.NO_SUCH_STATUS\n",
     "from vllm.v1.core.sched.scheduler import Scheduler\n"
