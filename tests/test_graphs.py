@@ -80,6 +80,19 @@ def _answers(url: str, questions: dict) -> dict:
     return out
 
 
+# Seeded sampling at temperature 1 differs between graphs where the model's top logits tie: the
+# first token is prefill's, drawn with the request's seeded generator, and decode's engine starts
+# its own generator from the same seed, so its draws run one behind agg's (as in vLLM's own P/D).
+# Whether the tiny model's bf16 logits tie after the first token depends on the CPU's kernels
+# (seen on an AMD EPYC host, not on the CI hosts before): these cases are compared within a
+# graph only (each token a likeliest one), never across graphs.
+SEEDED_TIES = ("top_k=1", "min_p=1")
+
+
+def _across_graphs(parameters: dict) -> dict:
+    return {k: v for k, v in parameters.items() if k not in SEEDED_TIES}
+
+
 def _parameters(url: str, messages: list[dict]) -> dict:
     """The sampling parameters through the official client, each checked against an expectation
     that does not come from the code under test (the plain greedy answer's own text), and
@@ -378,7 +391,8 @@ def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers, tiny_m
         answers = _answers(graph.url, questions)
         _check_equal_to_agg(answers, agg_answers)
         # every applied parameter as the agg graph applies it (and as its expectation says)
-        assert _parameters(graph.url, questions["data URI"]) == agg_answers["parameters"]
+        assert _across_graphs(_parameters(graph.url, questions["data URI"])) == _across_graphs(
+            agg_answers["parameters"])
         _vllm_bench(graph.url, tmp_path, tiny_model)
         # the first token is prefill's: the frontend had delivered it before decode admitted
         # the handoff (the components' own clocks, one host)
@@ -416,6 +430,7 @@ def test_router_and_full_media_graphs_answer_as_agg(tmp_path, image_server, agg_
             # every parameter on the bypass path too: decode samples the whole answer
             bypassed = 'mmhandoff_router_decisions_total{reason="bypass"}'
             before = _router_metrics(graph)[bypassed]
+            # (seeded ties too: here decode draws every token, as agg does)
             assert _parameters(graph.url, FIRST_TURN) == agg_answers["parameters, first turn"]
             assert _router_metrics(graph)[bypassed] - before >= 15
         graph.stop()
