@@ -115,3 +115,14 @@ def test_a_dummy_shape_is_a_model_name_with_random_bf16_weights(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(SystemExit, match="unknown model shape 'nope'"):
         engine_spec(parser("decode").parse_args(["--model", "dummy:nope"]), "decode")
+
+
+def test_the_kv_layout_of_a_graphs_engines_is_one_environment_setting(monkeypatch):
+    from mmhandoff.serving.launch import KV_PER_LAYER_ENV
+
+    args = parser("decode").parse_args([])
+    monkeypatch.setattr("mmhandoff.serving.launch.model_folder", lambda model: "/m")
+    monkeypatch.delenv(KV_PER_LAYER_ENV, raising=False)
+    assert engine_spec(args, "decode").kv_blocks_across_layers  # one descriptor per block
+    monkeypatch.setenv(KV_PER_LAYER_ENV, "1")
+    assert not engine_spec(args, "prefill").kv_blocks_across_layers

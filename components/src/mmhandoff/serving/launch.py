@@ -63,6 +63,7 @@ def parser(role: str) -> argparse.ArgumentParser:
 
 
 KEY_ENV, KEY_FILE_ENV = "MMHANDOFF_HANDOFF_KEY", "MMHANDOFF_HANDOFF_KEY_FILE"
+KV_PER_LAYER_ENV = "MMHANDOFF_GPU_KV_PER_LAYER"  # "1": vLLM's per-layer KV layout on GPUs
 MIN_KEY_BYTES = 16
 
 
@@ -139,7 +140,11 @@ def engine_spec(args: argparse.Namespace, role: str, kv_events_endpoint: str | N
     return EngineSpec(model=model_folder(args.model), role=role,
                       cpu_cores=args.cpu_cores, nixl_port=args.nixl_port,
                       nixl_host=args.nixl_host, kv_lease_s=args.kv_lease_s,
-                      kv_events_endpoint=kv_events_endpoint, extra=extra)
+                      kv_events_endpoint=kv_events_endpoint, extra=extra,
+                      # an environment variable, not a flag: every engine of a graph must
+                      # agree (vLLM's NIXL handshake compares the layouts), so a YAML sets it
+                      # once in its `env` (docs/gpu.md)
+                      kv_blocks_across_layers=os.environ.get(KV_PER_LAYER_ENV) != "1")
 
 
 def run(role: str, spec_role: str | Callable, endpoint: str, make_worker: Callable,
