@@ -171,7 +171,12 @@ def _shm() -> set[str]:
 
 
 def _tmp() -> set[str]:
-    return set(os.listdir(tempfile.gettempdir()))
+    """What a graph's processes may have left in the temp dir: serve's run folder and the
+    engines' socket folders are the only things mmhandoff's code makes there (every replica's
+    TMPDIR is inside the run folder), all named `mmhandoff-*`. Anything else that appears meanwhile
+    is another process's on this machine (a fresh clone's CI once failed on an unrelated tool's
+    file), not the graph's."""
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("mmhandoff-")}
 
 
 def _alive_in(sessions: set[int]) -> list[psutil.Process]:
