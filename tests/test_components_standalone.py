@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from mmhandoff.serving.health import ENGINE_DEAD, free_system_port
-from mmhandoff.serving.launch import KEY_ENV
+from mmhandoff.serving.handoff_keys import KEY_ENV
 from mmhandoff.serving.runtime import RemoteError, call, client, runtime
 from mmhandoff.wire.handoff import Features, Handoff, sign
 from mmhandoff.wire.messages import PrefillRequest

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV, engine_spec, handoff_keys, parser
+from mmhandoff.serving.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
+from mmhandoff.serving.launch import engine_spec, parser
 from mmhandoff.vllm_adapter.engine import engine_env
 
 pytestmark = pytest.mark.unit

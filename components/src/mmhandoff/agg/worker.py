@@ -18,6 +18,7 @@ import msgspec
 from mmhandoff.decode.stream import stream_answer
 from mmhandoff.engine import Engine
 from mmhandoff.prefill.prompt import PromptBuilder
+from mmhandoff.serving.endpoints import generate
 from mmhandoff.wire.messages import DecodeChunk, PrefillRequest
 
 
@@ -51,7 +52,7 @@ class AggWorker:
                 yield msgspec.to_builtins(chunk)
 
 
-ENDPOINT = "agg.generate"
+ENDPOINT = generate("agg")
 
 
 def main(argv: list[str] | None = None) -> int:

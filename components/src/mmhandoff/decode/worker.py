@@ -21,6 +21,7 @@ import msgspec
 
 from mmhandoff.decode.stream import KVCoverageError, collect, stream_answer
 from mmhandoff.engine import Engine, EngineInputError
+from mmhandoff.serving.endpoints import generate
 from mmhandoff.wire.handoff import (
     VERSION,
     Handoff,
@@ -104,7 +105,7 @@ class DecodeWorker:
                 yield msgspec.to_builtins(chunk)
 
 
-ENDPOINT = "decode.generate"
+ENDPOINT = generate("decode")
 ERRORS = (HandoffError, KVCoverageError, EngineInputError)
 
 

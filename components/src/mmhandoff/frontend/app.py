@@ -626,11 +626,10 @@ def main(argv: list[str] | None = None) -> int:
         decode = await client(rt, f"{args.namespace}.{args.decode}", args.wait_s)
         placement = None
         if args.router != "none" and prefill is not None:
-            from mmhandoff.router.router import PLACE
+            from mmhandoff.serving.endpoints import PLACE, beside
 
-            component = args.router.rsplit(".", 1)[0]
             placement = PrefillPlacement(await client(
-                rt, f"{args.namespace}.{component}.{PLACE}", args.wait_s), prefill)
+                rt, f"{args.namespace}.{beside(args.router, PLACE)}", args.wait_s), prefill)
         frontend = Frontend(prefill, decode, args.model_name, fetch_policy=policy,
                             retries=args.retries, migration_limit=args.migration_limit,
                             stall_s=args.stall_timeout_s, first_token_from=args.first_token_from,

@@ -29,6 +29,7 @@ from mmhandoff.media.images import ImageError, ImageLimits, data_uri_bytes
 from mmhandoff.prefill.bypass import decode_can_answer
 from mmhandoff.prefill.prefixes import image_ends, prefix_blocks
 from mmhandoff.prefill.prompt import InvalidRequest, PromptBuilder
+from mmhandoff.serving.endpoints import generate
 from mmhandoff.wire.handoff import VERSION, BlockHashes, Handoff, sign
 from mmhandoff.wire.messages import (
     FirstToken,
@@ -251,7 +252,7 @@ class PrefillWorker:
         return answer.handoff, answer.stats
 
 
-ENDPOINT = "prefill.generate"
+ENDPOINT = generate("prefill")
 ERRORS = (ImageError, InvalidRequest, EngineInputError, PrefillError)
 
 
@@ -263,11 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         router = None
         if args.router != "none" and args.bypass_max_tokens > 0:
             from mmhandoff.prefill.bypass import RouterLookup
-            from mmhandoff.router.router import HELD
+            from mmhandoff.serving.endpoints import HELD, beside
 
-            component = args.router.rsplit(".", 1)[0]
             router = RouterLookup(await (
-                rt.endpoint(f"{args.namespace}.{component}.{HELD}").client()))
+                rt.endpoint(f"{args.namespace}.{beside(args.router, HELD)}").client()))
         return PrefillWorker(engine, full_media=args.full_media, key=key, router=router,
                              ttl_s=handoff_ttl(args.kv_lease_s),
                              bypass_max_tokens=args.bypass_max_tokens)

@@ -40,7 +40,8 @@ from mmhandoff.router.scorers import Candidates
 from mmhandoff.router.scorers.kv_usage import KvUsageScorer
 from mmhandoff.router.scorers.load import LoadScorer
 from mmhandoff.router.scorers.overlap import OverlapScorer
-from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV, handoff_keys
+from mmhandoff.serving.endpoints import GENERATE, HELD, KV_BLOCKS, PLACE, beside, generate
+from mmhandoff.serving.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
 from mmhandoff.serving.runtime import RemoteError, call, error_envelope
 from mmhandoff.wire.handoff import Handoff, HandoffError, authentic, handoff_from_builtins
 from mmhandoff.wire.messages import KvHeld, Placement, PlaceRequest
@@ -218,9 +219,7 @@ def _weights(text: str) -> dict[str, float]:
         raise argparse.ArgumentTypeError(f"expected NAME=WEIGHT,..., got {text!r}") from None
 
 
-ENDPOINT = "router.generate"
-HELD = "held"  # the second endpoint, <component>.held: which replica holds a prompt's blocks
-PLACE = "place"  # the third, <component>.place: which prefill replica takes a request
+ENDPOINT = generate("router")
 
 
 def parser():
@@ -257,13 +256,10 @@ async def _followers(rt, args, router: Router) -> dict:
     """{tier: Follower} of the decode and prefill workers' kv_blocks streams, each keeping its
     tier's index, loads and (prefill) image prefixes in `router`."""
     from mmhandoff.router.follow import Follower
-    from mmhandoff.serving.block_feed import ENDPOINT as KV_BLOCKS
-
     followers = {}
     for tier, endpoint, index in (("decode", args.decode, router.index),
                                   ("prefill", args.prefill, router.prefill_index)):
-        component = endpoint.rsplit(".", 1)[0]
-        feeds = await rt.endpoint(f"{args.namespace}.{component}.{KV_BLOCKS}").client()
+        feeds = await rt.endpoint(f"{args.namespace}.{beside(endpoint, KV_BLOCKS)}").client()
         followers[tier] = Follower(feeds, index, args.block_size,
                                    on_prefixes=router.table.update)
     router.decode_loads = followers["decode"].loads
@@ -294,9 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                         hasher=BlockHasher(args.block_size, seed=args.block_hash_seed),
                         keys=handoff_keys(args))
         # every endpoint is taken before any is served (serving/registration.py)
-        own = ENDPOINT.rsplit(".", 1)[0]
-        endpoints = {name: rt.endpoint(f"{args.namespace}.{own}.{name}")
-                     for name in ("generate", HELD, PLACE)}
+        endpoints = {name: rt.endpoint(f"{args.namespace}.{beside(ENDPOINT, name)}")
+                     for name in (GENERATE, HELD, PLACE)}
         followers = await _followers(rt, args, router) if args.policy == "kv" else {}
         follows = [asyncio.ensure_future(f.run()) for f in followers.values()]
         synced = await asyncio.gather(*(f.ready(SYNC_WAIT_S) for f in followers.values()))
@@ -304,9 +299,9 @@ def main(argv: list[str] | None = None) -> int:
             if not ok:
                 print(f"[router] not every {tier} instance's blocks arrived in {SYNC_WAIT_S:g} "
                       f"s; routing by load until they do", file=sys.stderr, flush=True)
-        publish_router_metrics(endpoints["generate"], router, followers)
+        publish_router_metrics(endpoints[GENERATE], router, followers)
         served = [serve(rt, f"{args.namespace}.{own}.{name}", handler, (), endpoint=endpoints[name])
-                  for name, handler in (("generate", router.handle), (HELD, router.handle_held),
+                  for name, handler in ((GENERATE, router.handle), (HELD, router.handle_held),
                                         (PLACE, router.handle_place))]
         rt.set_health_status(True)
         print(f"[{args.namespace}.{ENDPOINT}] ready", file=sys.stderr, flush=True)
@@ -315,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         # out of discovery (an etcd lease lost), no frontend would call it again: exit, as a
         # worker does, so that serve or Kubernetes restarts it (serving/registration.py)
-        lost = asyncio.ensure_future(lost_registration(endpoints["generate"]))
+        lost = asyncio.ensure_future(lost_registration(endpoints[GENERATE]))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
         code = 0

@@ -20,9 +20,9 @@ from typing import AsyncIterator
 
 import msgspec
 
+from mmhandoff.serving.endpoints import KV_BLOCKS
 from mmhandoff.wire.messages import KvBlocks
 
-ENDPOINT = "kv_blocks"
 MAX_BEHIND = 10_000
 MAX_PREFIXES = 1024  # image prefixes kept for snapshots (the router keeps more: prefix_table)
 
@@ -124,5 +124,5 @@ def start_feed(rt, component_path: str, endpoint: str, block_size: int):
             pass
 
     subscriber = KVEventSubscriber(endpoint, on_events=on_events)
-    served = serve(rt, f"{component_path}.{ENDPOINT}", feed.handle, ())
+    served = serve(rt, f"{component_path}.{KV_BLOCKS}", feed.handle, ())
     return feed, subscriber, served

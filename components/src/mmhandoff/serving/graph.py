@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mmhandoff.serving.endpoints import generate
+
 # The roles each component plays for its callers, and the roles it calls (its flags). The
 # router takes handoffs for decode, and answers prefill which replica holds a prompt's KV.
 SERVES = {"prefill": ("prefill",), "decode": ("decode",), "agg": ("decode",),
@@ -36,7 +38,7 @@ class Component:
     @property
     def endpoint(self) -> str:
         """The endpoint it serves in its namespace (each component module serves one)."""
-        return f"{self.module}.generate"
+        return generate(self.module)
 
     def wiring(self) -> dict[str, str | None]:
         """{role it calls: endpoint of the first component down its links serving that role, or

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mmhandoff.serving.addresses import default_host
+from mmhandoff.serving.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
 
 
 def parser(role: str) -> argparse.ArgumentParser:
@@ -62,32 +63,7 @@ def parser(role: str) -> argparse.ArgumentParser:
     return p
 
 
-KEY_ENV, KEY_FILE_ENV = "MMHANDOFF_HANDOFF_KEY", "MMHANDOFF_HANDOFF_KEY_FILE"
 KV_PER_LAYER_ENV = "MMHANDOFF_GPU_KV_PER_LAYER"  # "1": vLLM's per-layer KV layout on GPUs
-MIN_KEY_BYTES = 16
-
-
-def handoff_keys(args: argparse.Namespace) -> tuple[bytes, ...]:
-    """The handoff keys from --handoff-key-file or $MMHANDOFF_HANDOFF_KEY, one per line (empty:
-    no signing). The first signs; decode accepts any of them, so a rotation adds the new key
-    second, then moves it first, then drops the old one. A key too short to be a secret is
-    refused, not used."""
-    if args.handoff_key_file:
-        try:
-            text = Path(args.handoff_key_file).read_bytes()
-        except OSError as e:
-            raise SystemExit(f"--handoff-key-file: {e}") from None
-        source = args.handoff_key_file
-    elif os.environ.get(KEY_ENV):
-        text, source = os.environ[KEY_ENV].encode(), f"${KEY_ENV}"
-    else:
-        return ()
-    keys = tuple(line.strip() for line in text.splitlines() if line.strip())
-    short = [len(k) for k in keys if len(k) < MIN_KEY_BYTES]
-    if not keys or short:
-        raise SystemExit(f"the handoff keys in {source} must each be at least {MIN_KEY_BYTES} "
-                         f"bytes (got lengths {[len(k) for k in keys]})")
-    return keys
 
 
 def _engine_arg(value: str) -> tuple[str, Any]:

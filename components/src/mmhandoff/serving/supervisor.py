@@ -44,7 +44,7 @@ from pathlib import Path
 from mmhandoff.serving.gpus import PlacementError, Slot, place, share_args, visible_gpus
 from mmhandoff.serving.graph import Component
 from mmhandoff.serving.health import ENGINE_DEAD, free_system_port
-from mmhandoff.serving.launch import KEY_ENV, KEY_FILE_ENV
+from mmhandoff.serving.handoff_keys import KEY_ENV, KEY_FILE_ENV
 from mmhandoff.serving.ports import free_port
 
 GRACE_S = 60.0  # for the whole stop: long enough for in-flight answers to finish
