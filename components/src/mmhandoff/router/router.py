@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[router] not every {tier} instance's blocks arrived in {SYNC_WAIT_S:g} "
                       f"s; routing by load until they do", file=sys.stderr, flush=True)
         publish_router_metrics(endpoints[GENERATE], router, followers)
-        served = [serve(rt, f"{args.namespace}.{own}.{name}", handler, (), endpoint=endpoints[name])
+        served = [serve(rt, f"{args.namespace}.{beside(ENDPOINT, name)}", handler, (),
+                        endpoint=endpoints[name])
                   for name, handler in ((GENERATE, router.handle), (HELD, router.handle_held),
                                         (PLACE, router.handle_place))]
         rt.set_health_status(True)
