@@ -73,6 +73,16 @@ def test_named_gpus_are_taken_in_turn_and_an_engine_arg_share_counts():
     assert share_args({}, Slot("0", None)) == []
 
 
+def test_replicas_without_named_gpus_go_first_to_the_gpus_nobody_names():
+    slots = place([("prefill", 1, {"gpus": [0]}), ("decode", 2, {})], ["0", "1", "2"])
+    assert {n: s.gpu for n, s in slots.items()} == {"prefill-0": "0", "decode-0": "1",
+                                                     "decode-1": "2"}
+    assert all(s.share is None for s in slots.values())
+    # every GPU named: the others share them in turn
+    slots = place([("prefill", 1, {"gpus": [0]}), ("decode", 1, {})], ["0"])
+    assert slots["decode-0"] == Slot("0", 0.45, ("prefill-0",))
+
+
 def test_a_host_without_gpus_places_nothing_and_refuses_named_gpus():
     assert place([("decode", 1, {})], []) == {}
     with pytest.raises(PlacementError, match="this host has none"):

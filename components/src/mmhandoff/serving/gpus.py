@@ -67,16 +67,18 @@ def place(engines: Sequence[tuple[str, int, Mapping]], gpus: Sequence[str]) -> d
                                  f"has none (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES is "
                                  f"empty)")
         return {}
-    total = sum(replicas for _, replicas, _ in engines)
+    named = {m: _named_gpus(m, spec, len(gpus)) for m, _, spec in engines}
+    # the replicas placed here go first to the GPUs no component names
+    taken = {g for chosen in named.values() if chosen for g in chosen}
+    free = [g for g in range(len(gpus)) if g not in taken] or list(range(len(gpus)))
     on: dict[str, int] = {}  # replica -> index into gpus
     turn = 0
     for module, replicas, spec in engines:
-        chosen = _named_gpus(module, spec, len(gpus))
         for i in range(replicas):
-            if chosen is not None:
-                on[f"{module}-{i}"] = chosen[i % len(chosen)]
+            if named[module] is not None:
+                on[f"{module}-{i}"] = named[module][i % len(named[module])]
             else:  # one each while there are enough, else in turn
-                on[f"{module}-{i}"] = turn % len(gpus) if total > len(gpus) else turn
+                on[f"{module}-{i}"] = free[turn % len(free)]
                 turn += 1
     shares = {name: _asked_share(module, spec)
               for module, replicas, spec in engines for name in
