@@ -128,7 +128,8 @@ def fetch(version: str) -> Path:
         for m in members:  # "vllm-0.26.0/vllm/x.py" -> "vllm/x.py"
             m.name = m.name.split("/", 1)[1]
         tar.extractall(staging, members=members, filter="data")
-    os.replace(staging, root) if not root.exists() else None
+    if not root.exists():
+        os.replace(staging, root)
     (root / ".complete").touch()
     return root
 
