@@ -158,7 +158,7 @@ def _graph_config(ucx: dict) -> dict:
 
 
 def part_ttft(hosts, args) -> None:
-    from mmhandoff.serving.supervisor import Supervisor, load_graph
+    from mmhandoff.serve.supervisor import Supervisor, load_graph
     from tests.hosted_graph import HostedGraph
 
     images = [jpeg(640, 480, 500 + i) for i in range(args.requests + 1)]

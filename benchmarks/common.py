@@ -7,7 +7,7 @@ import threading
 
 
 def port() -> int:
-    from mmhandoff.serving.ports import free_port  # outside the ephemeral range: see there
+    from mmhandoff.plane.ports import free_port  # outside the ephemeral range: see there
 
     return free_port()
 

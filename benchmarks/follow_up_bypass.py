@@ -14,7 +14,7 @@ meets decode in the state the first turn left):
   blocks, and the engines' own hashes) finds decode holds the image, decode computes the rest.
 TTFT: the request's start to the answer's first token (prefill's, or decode's when bypassed).
 Every follow-up repeats the first turn's data URI, so none decodes the image again
-(prefill.prompt's memo).
+(engine.prompt's memo).
 """
 
 from __future__ import annotations

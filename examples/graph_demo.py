@@ -36,7 +36,7 @@ def sample_image() -> bytes:
 
 
 def free_port() -> int:
-    from mmhandoff.serving.ports import free_port as take  # not from the ephemeral range
+    from mmhandoff.plane.ports import free_port as take  # not from the ephemeral range
 
     return take()
 

@@ -1,6 +1,6 @@
 """frontend -> agg (the whole VLM on one engine; the reference for the disagg answers)."""
 
-from mmhandoff.serving.graph import Component
+from mmhandoff.serve.graph import Component
 
 Frontend = Component("frontend", engine=False)
 Worker = Frontend.link(Component("agg"))

@@ -1,6 +1,6 @@
 """frontend -> prefill (encode + prefill) -> decode (the media-free handoff)."""
 
-from mmhandoff.serving.graph import Component
+from mmhandoff.serve.graph import Component
 
 Frontend = Component("frontend", engine=False)
 Prefill = Frontend.link(Component("prefill"))

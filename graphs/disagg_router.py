@@ -5,7 +5,7 @@ the router, which picks the decode replica; each time the one that already holds
 blocks (mmhandoff.router; docs/routing.md). The frontend finds the router down its links, so the
 graph needs no link back from the frontend to it."""
 
-from mmhandoff.serving.graph import Component
+from mmhandoff.serve.graph import Component
 
 Frontend = Component("frontend", engine=False)
 Prefill = Frontend.link(Component("prefill"))

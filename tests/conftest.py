@@ -36,8 +36,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 def free_port() -> int:
     """Never from the ephemeral range, where vLLM's own port picks can take it first
-    (mmhandoff.serving.ports)."""
-    from mmhandoff.serving.ports import free_port as take
+    (mmhandoff.plane.ports)."""
+    from mmhandoff.plane.ports import free_port as take
 
     return take()
 
@@ -122,7 +122,7 @@ def engines(loop, tiny_model):
 @pytest.fixture(scope="session")
 def dynamo_rt(loop, tmp_path_factory):
     """One Dynamo runtime for the session (file discovery, TCP request plane, loopback)."""
-    from mmhandoff.serving.runtime import runtime
+    from mmhandoff.plane.runtime import runtime
 
     os.environ["DYN_FILE_KV"] = str(tmp_path_factory.mktemp("dyn-discovery"))
 
@@ -138,8 +138,8 @@ def dynamo_rt(loop, tmp_path_factory):
 def dynamo(loop, engines, dynamo_rt):
     from mmhandoff.decode.worker import ERRORS as DECODE_ERRORS
     from mmhandoff.decode.worker import DecodeWorker
+    from mmhandoff.plane.runtime import client, serve
     from mmhandoff.prefill.worker import ERRORS, PrefillWorker
-    from mmhandoff.serving.runtime import client, serve
 
     prefill, decode = PrefillWorker(engines.prefill), DecodeWorker(engines.decode)
 

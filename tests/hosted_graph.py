@@ -7,7 +7,7 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 
-from mmhandoff.serving.supervisor import Supervisor, _answers, check_config, load_graph
+from mmhandoff.serve.supervisor import Supervisor, _answers, check_config, load_graph
 
 
 class HostedGraph(Supervisor):

@@ -8,7 +8,7 @@ from contextlib import aclosing
 
 import msgspec
 
-from mmhandoff.serving.runtime import endpoint_handler
+from mmhandoff.plane.runtime import endpoint_handler
 
 
 class Item:

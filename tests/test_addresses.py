@@ -1,10 +1,10 @@
-"""What a component advertises to the other hosts (mmhandoff.serving.addresses)."""
+"""What a component advertises to the other hosts (mmhandoff.plane.addresses)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mmhandoff.serving.addresses import (ADVERTISED_VARS, loopback_warning, remote_planes,
+from mmhandoff.plane.addresses import (ADVERTISED_VARS, loopback_warning, remote_planes,
                                          set_advertised_defaults)
 
 pytestmark = pytest.mark.unit

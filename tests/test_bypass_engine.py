@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmhandoff.decode.stream import KVCoverageError, collect
 from mmhandoff.engine import PixelsNeeded
+from mmhandoff.engine.stream import KVCoverageError, collect
 from mmhandoff.media.images import decode_image
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.vllm_adapter.inputs import forget_sent
@@ -106,7 +106,7 @@ def test_a_discarded_render_leaves_the_image_to_be_sent_again(loop, engines):
 
 
 def test_an_image_sent_again_renders_without_its_pixels_as_its_decode_did(loop, workers):
-    """prefill.prompt's memo on vLLM: a data URI prefill decoded before goes to the engine
+    """engine.prompt's memo on vLLM: a data URI prefill decoded before goes to the engine
     without pixels (vLLM's processor cache has the image) and renders the same token ids and
     features; once vLLM no longer records it, prefill decodes it again."""
     prefill, decode, _ = workers

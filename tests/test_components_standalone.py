@@ -22,9 +22,9 @@ import msgspec
 import psutil
 import pytest
 
-from mmhandoff.serving.health import ENGINE_DEAD, free_system_port
-from mmhandoff.serving.handoff_keys import KEY_ENV
-from mmhandoff.serving.runtime import RemoteError, call, client, runtime
+from mmhandoff.plane.handoff_keys import KEY_ENV
+from mmhandoff.plane.runtime import RemoteError, call, client, runtime
+from mmhandoff.process.health import ENGINE_DEAD, free_system_port
 from mmhandoff.wire.handoff import Features, Handoff, sign
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image

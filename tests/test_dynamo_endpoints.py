@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from mmhandoff.decode.worker import collect
-from mmhandoff.serving.runtime import RemoteError, call
+from mmhandoff.plane.runtime import RemoteError, call
 from mmhandoff.wire.handoff import EmptyHash
 from mmhandoff.wire.messages import PrefillAnswer, PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
@@ -67,8 +67,8 @@ def test_router_passes_handoffs_and_errors_through(loop, dynamo):
     tokens as decode directly, and decode's typed errors arrive unchanged."""
     import asyncio
 
+    from mmhandoff.plane.runtime import client, runtime, serve
     from mmhandoff.router.router import Router
-    from mmhandoff.serving.runtime import client, runtime, serve
 
     _, _, p, d = dynamo
 
@@ -124,7 +124,7 @@ def test_call_one_answers_before_the_stream_ends(loop, dynamo_rt):
     RemoteError."""
     import asyncio
 
-    from mmhandoff.serving.runtime import call_one, client, serve
+    from mmhandoff.plane.runtime import call_one, client, serve
 
     ended = asyncio.Event()
 

@@ -67,7 +67,7 @@ def test_the_tables_server_errors_are_what_the_frontend_maps_them_to():
     table = _table()
     for code in app.UNAVAILABLE:
         assert table.get(code) == {503}, code
-    from mmhandoff.serving.runtime import RemoteError
+    from mmhandoff.plane.runtime import RemoteError
     for code, statuses in table.items():
         if 500 in statuses or 503 in statuses:
             assert {app.api_error(RemoteError(code, "x")).status} == statuses, code
@@ -77,7 +77,7 @@ def test_the_tables_server_errors_are_what_the_frontend_maps_them_to():
 def test_a_request_over_the_planes_limit_is_the_clients_413(loop):
     """Dynamo refuses to send a message over NATS' max_payload: the caller gets a typed 413, not a
     retried 503 (the same request would fail the same way)."""
-    from mmhandoff.serving.runtime import RemoteError, call
+    from mmhandoff.plane.runtime import RemoteError, call
 
     class Refusing:  # a Dynamo client whose request plane refuses the message, as 1.6.1 says it
         async def round_robin(self, request, context=None):

@@ -305,7 +305,7 @@ def _in_flight(url: str) -> float:
 def test_health_names_an_endpoint_without_instances(loop, dynamo):
     import asyncio
 
-    from mmhandoff.serving.runtime import runtime
+    from mmhandoff.plane.runtime import runtime
 
     _, _, p, d = dynamo
 

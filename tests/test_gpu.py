@@ -16,8 +16,8 @@ import msgspec
 import pytest
 
 from mmhandoff.decode.full_media import FullMediaDecodeWorker
-from mmhandoff.decode.stream import KVCoverageError, collect
 from mmhandoff.decode.worker import DecodeWorker
+from mmhandoff.engine.stream import KVCoverageError, collect
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image, start

@@ -1,4 +1,4 @@
-"""serve's GPU placement (serving/gpus.py) and what each replica starts with: the arithmetic on
+"""serve's GPU placement (serve/gpus.py) and what each replica starts with: the arithmetic on
 the CPU; tests/test_gpu.py's served graphs run it on a GPU (docs/gpu.md)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import shutil
 import pytest
 import yaml
 
-from mmhandoff.serving import supervisor as supervisor_mod
-from mmhandoff.serving.gpus import PlacementError, Slot, place, share_args, visible_gpus
-from mmhandoff.serving.supervisor import GraphError, Supervisor, load_graph
+from mmhandoff.serve import supervisor as supervisor_mod
+from mmhandoff.serve.gpus import PlacementError, Slot, place, share_args, visible_gpus
+from mmhandoff.serve.supervisor import GraphError, Supervisor, load_graph
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import yaml
 
-from mmhandoff.serving.supervisor import (
+from mmhandoff.serve.supervisor import (
     GraphError,
     Supervisor,
     check_config,
@@ -96,7 +96,7 @@ def test_a_config_that_wires_is_refused(tmp_path):
 
 
 def test_every_graph_run_signs_its_handoffs_with_a_key_of_its_own(tmp_path):
-    from mmhandoff.serving.handoff_keys import KEY_ENV, KEY_FILE_ENV
+    from mmhandoff.plane.handoff_keys import KEY_ENV, KEY_FILE_ENV
 
     base = {"PATH": "/bin"}
     first, second = (graph_env({}, base, tmp_path)[KEY_ENV] for _ in range(2))

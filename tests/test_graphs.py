@@ -501,7 +501,7 @@ def test_nats_and_etcd_outages_under_a_running_graph(tmp_path):
     of 25 s, longer than a lease (10 s): the graph either rides it out or stops with exit 1
     naming the component that lost its registration, within 75 s of etcd's return; never does it
     run on answering only 503s (Dynamo does not register an instance again after its lease
-    expired; serving/registration.py)."""
+    expired; plane/registration.py)."""
     servers = Servers(tmp_path)
     try:
         graph = Graph("graphs.disagg:Frontend", "configs/disagg.yaml", tmp_path,

@@ -1,4 +1,4 @@
-"""PromptBuilder's memo of decoded data URIs (prefill.prompt): an image sent again as the same data
+"""PromptBuilder's memo of decoded data URIs (engine.prompt): an image sent again as the same data
 URI is not decoded again, goes to the engine without pixels, and renders exactly as its decode
 did; an engine that no longer holds it gets it decoded. On the FakeEngine, which keeps a set of
 processed images as vLLM's processor cache does (the engine tier checks vLLM itself:
@@ -10,11 +10,11 @@ import asyncio
 
 import pytest
 
-import mmhandoff.prefill.prompt as prompt_module
+import mmhandoff.engine.prompt as prompt_module
 from mmhandoff.engine import PixelsNeeded
 from mmhandoff.engine.fake import FakeEngine
+from mmhandoff.engine.prompt import PromptBuilder
 from mmhandoff.media.images import ImageError, decode_image
-from mmhandoff.prefill.prompt import PromptBuilder
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
 

@@ -133,7 +133,7 @@ def _parser(module: str):
     if module == "router":
         from mmhandoff.router.router import parser
         return parser()
-    from mmhandoff.serving.launch import parser
+    from mmhandoff.process.engine_worker import parser
     return parser(module)
 
 
@@ -155,7 +155,7 @@ def test_every_component_command_exists_and_parses_its_args(rendered):
 
 
 def test_the_router_graph_is_wired_as_serve_wires_it(rendered):
-    from mmhandoff.serving.supervisor import load_graph
+    from mmhandoff.serve.supervisor import load_graph
 
     wiring = {c.module: c.wiring() for c in load_graph("graphs.disagg_router:Frontend")}
     for name in ("disagg-router-llava-7b", "disagg-router-llava-13b-tp2"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmhandoff.serving.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
-from mmhandoff.serving.launch import engine_spec, parser
+from mmhandoff.plane.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
+from mmhandoff.process.engine_worker import engine_spec, parser
 from mmhandoff.vllm_adapter.engine import engine_env
 
 pytestmark = pytest.mark.unit
@@ -88,7 +88,7 @@ def test_an_engine_argument_that_is_not_name_value_is_refused(capsys, bad):
 
 def test_a_built_in_tiny_model_is_named_and_a_folder_of_that_name_wins(monkeypatch, tmp_path):
     import mmhandoff.models.tiny as tiny
-    from mmhandoff.serving.launch import model_folder
+    from mmhandoff.process.engine_worker import model_folder
 
     built = []
     monkeypatch.setattr(tiny, "ensure_tiny_model",
@@ -119,10 +119,10 @@ def test_a_dummy_shape_is_a_model_name_with_random_bf16_weights(monkeypatch):
 
 
 def test_the_kv_layout_of_a_graphs_engines_is_one_environment_setting(monkeypatch):
-    from mmhandoff.serving.launch import KV_PER_LAYER_ENV
+    from mmhandoff.process.engine_worker import KV_PER_LAYER_ENV
 
     args = parser("decode").parse_args([])
-    monkeypatch.setattr("mmhandoff.serving.launch.model_folder", lambda model: "/m")
+    monkeypatch.setattr("mmhandoff.process.engine_worker.model_folder", lambda model: "/m")
     monkeypatch.delenv(KV_PER_LAYER_ENV, raising=False)
     assert engine_spec(args, "decode").kv_blocks_across_layers  # one descriptor per block
     monkeypatch.setenv(KV_PER_LAYER_ENV, "1")

@@ -11,9 +11,9 @@ import msgspec
 import pytest
 
 from mmhandoff.frontend.placement import PrefillPlacement, image_keys
+from mmhandoff.prefill.prefixes import image_ends, prefix_blocks
 from mmhandoff.router.prefix_table import PrefixTable
 from mmhandoff.router.router import Router
-from mmhandoff.prefill.prefixes import image_ends, prefix_blocks
 from mmhandoff.wire.handoff import Features, Span
 from mmhandoff.wire.messages import (
     ChatMessage,
@@ -190,9 +190,9 @@ def test_what_prefill_publishes_reaches_a_routers_table_through_the_feed(loop):
     where they equal the engine's own block hashes through the image."""
     from mmhandoff.engine.fake import FakeEngine
     from mmhandoff.prefill.worker import PrefillWorker
+    from mmhandoff.process.block_feed import BlockFeed
     from mmhandoff.router.follow import Follower
     from mmhandoff.router.index import KvIndex
-    from mmhandoff.serving.block_feed import BlockFeed
     from tests.conftest import data_uri, encode, make_image
 
     engine = FakeEngine(role="prefill")

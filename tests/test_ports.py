@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmhandoff.serving import ports
+from mmhandoff.plane import ports
 
 pytestmark = pytest.mark.unit
 

@@ -225,7 +225,7 @@ def test_position_state_admission_on_the_engines(loop, qwen, engines):
 def test_decode_fails_closed_without_kv_and_stays_healthy(loop, qwen):
     """A feature that carries the grid is still a KV-only one: with nothing to pull, the
     fail-closed scheduler ends the request instead of computing the image's positions."""
-    from mmhandoff.decode.stream import KVCoverageError
+    from mmhandoff.engine.stream import KVCoverageError
 
     prefill, decode, *_ = qwen
     blob = encode(make_image(640, 480, 28))

@@ -1,4 +1,4 @@
-"""A worker's watch on its own discovery entry (serving/registration.py), on a scripted runtime."""
+"""A worker's watch on its own discovery entry (plane/registration.py), on a scripted runtime."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from mmhandoff.serving.registration import lost_registration
+from mmhandoff.plane.registration import lost_registration
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
 """The KV-aware router's parts without engines: the scorers' formulas, the choice (router.pick),
-the workers' block feed (serving.block_feed) and the router's follower of it (router.follow)."""
+the workers' block feed (process.block_feed) and the router's follower of it (router.follow)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import asyncio
 import msgspec
 import pytest
 
+from mmhandoff.process import block_feed
+from mmhandoff.process.block_feed import BlockFeed
 from mmhandoff.router.follow import Follower
 from mmhandoff.router.index import KvIndex
 from mmhandoff.router.router import Router
 from mmhandoff.router.scorers import Candidates
 from mmhandoff.router.scorers.load import LoadScorer
 from mmhandoff.router.scorers.overlap import OverlapScorer
-from mmhandoff.serving import block_feed
-from mmhandoff.serving.block_feed import BlockFeed
 from mmhandoff.wire.handoff import VERSION, BlockHashes, Features, Handoff, Sampling, Span, sign
 from mmhandoff.wire.messages import KvBlocks, KvHeld
 

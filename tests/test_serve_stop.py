@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from mmhandoff.serving import supervisor
-from mmhandoff.serving.graph import Component
+from mmhandoff.serve import supervisor
+from mmhandoff.serve.graph import Component
 
 pytestmark = pytest.mark.unit
 

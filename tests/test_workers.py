@@ -16,15 +16,15 @@ import pytest
 
 from mmhandoff.agg.worker import AggWorker
 from mmhandoff.decode.full_media import FullMediaDecodeWorker
-from mmhandoff.decode.stream import KVCoverageError, collect
 from mmhandoff.decode.worker import ERRORS as DECODE_ERRORS
 from mmhandoff.decode.worker import DecodeWorker, UnsupportedModel
 from mmhandoff.engine import EngineInputError
 from mmhandoff.engine.fake import FakeEngine, FakeKV
+from mmhandoff.engine.stream import KVCoverageError, collect
 from mmhandoff.frontend.app import Frontend
+from mmhandoff.plane.runtime import endpoint_handler
 from mmhandoff.prefill.worker import ERRORS as PREFILL_ERRORS
 from mmhandoff.prefill.worker import PrefillWorker
-from mmhandoff.serving.runtime import endpoint_handler
 from mmhandoff.wire.handoff import (
     DigestMismatch,
     FingerprintMismatch,
@@ -359,7 +359,7 @@ def test_signed_handoffs_are_taken_once_and_only_with_a_key_decode_has(loop):
 
 @pytest.mark.parametrize("keys", [(), (b"k" * 32,)])
 def test_decode_warms_up_through_its_whole_path(loop, keys):
-    """Before it reports ready (serving.launch): one short answer through admission (signed
+    """Before it reports ready (process.engine_worker): one short answer through admission (signed
     when decode takes signed handoffs only), the continuation after a first token, the engine;
     nothing is left running and the worker then serves as usual."""
     kv = FakeKV()

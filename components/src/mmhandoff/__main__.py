@@ -1,6 +1,6 @@
 """`python -m mmhandoff ...` is the `mmhandoff` command."""
 
-from mmhandoff.serving.cli import main
+from mmhandoff.serve.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

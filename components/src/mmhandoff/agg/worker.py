@@ -15,10 +15,11 @@ from typing import AsyncIterator
 
 import msgspec
 
-from mmhandoff.decode.stream import stream_answer
-from mmhandoff.engine import Engine
-from mmhandoff.prefill.prompt import PromptBuilder
-from mmhandoff.serving.endpoints import generate
+from mmhandoff.engine import Engine, EngineInputError
+from mmhandoff.engine.prompt import InvalidRequest, PromptBuilder
+from mmhandoff.engine.stream import stream_answer
+from mmhandoff.media.images import ImageError
+from mmhandoff.plane.endpoints import generate
 from mmhandoff.wire.messages import DecodeChunk, PrefillRequest
 
 
@@ -55,9 +56,12 @@ class AggWorker:
 ENDPOINT = generate("agg")
 
 
+# what a client's request may fail with here (typed 4xx); anything else is ours (5xx)
+ERRORS = (ImageError, InvalidRequest, EngineInputError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    from mmhandoff.prefill.worker import ERRORS
-    from mmhandoff.serving.launch import run
+    from mmhandoff.process.engine_worker import run
 
     return run("agg", "agg", ENDPOINT, lambda engine, args, rt: AggWorker(engine), ERRORS, argv)
 

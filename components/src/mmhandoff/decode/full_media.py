@@ -11,8 +11,8 @@ from typing import AsyncIterator
 
 import msgspec
 
-from mmhandoff.decode.stream import stream_answer
 from mmhandoff.engine import Engine
+from mmhandoff.engine.stream import stream_answer
 from mmhandoff.media.images import decode_image
 from mmhandoff.wire.messages import DecodeChunk, FullMediaRequest
 

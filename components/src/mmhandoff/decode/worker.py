@@ -19,9 +19,9 @@ from typing import AsyncIterator, Sequence
 
 import msgspec
 
-from mmhandoff.decode.stream import KVCoverageError, collect, stream_answer
 from mmhandoff.engine import Engine, EngineInputError
-from mmhandoff.serving.endpoints import generate
+from mmhandoff.engine.stream import KVCoverageError, collect, stream_answer
+from mmhandoff.plane.endpoints import generate
 from mmhandoff.wire.handoff import (
     VERSION,
     Handoff,
@@ -111,7 +111,7 @@ ERRORS = (HandoffError, KVCoverageError, EngineInputError)
 
 def main(argv: list[str] | None = None) -> int:
     from mmhandoff.decode.full_media import FullMediaDecodeWorker, InvalidFullMedia
-    from mmhandoff.serving.launch import run
+    from mmhandoff.process.engine_worker import run
 
     def make_worker(engine, args, rt):
         if args.full_media:

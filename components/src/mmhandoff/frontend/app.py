@@ -37,7 +37,9 @@ from typing import AsyncIterator
 import msgspec
 from aiohttp import web
 
+from mmhandoff.frontend import logprobs as oai_logprobs
 from mmhandoff.frontend.metrics import FrontendMetrics
+from mmhandoff.frontend.placement import PrefillPlacement, image_keys
 from mmhandoff.frontend.request import (
     ApiError,
     FrontendLimits,
@@ -47,10 +49,8 @@ from mmhandoff.frontend.request import (
     client_request_id,
     stream_options,
 )
-from mmhandoff.frontend import logprobs as oai_logprobs
-from mmhandoff.frontend.placement import PrefillPlacement, image_keys
 from mmhandoff.media.fetch import FetchPolicy
-from mmhandoff.serving.runtime import RemoteError, background, call, call_one
+from mmhandoff.plane.runtime import RemoteError, background, call, call_one
 from mmhandoff.wire.messages import (
     Alive,
     AnswerStats,
@@ -557,7 +557,7 @@ def _chunk(api: str, request_id: str, model: str, created: int, piece: Piece,
 
 
 async def _alive(request):
-    """The frontend's own discovery entry (serving.registration watches it): its answer says only
+    """The frontend's own discovery entry (plane.registration watches it): its answer says only
     that this process serves."""
     yield msgspec.to_builtins(Alive())
 
@@ -604,9 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m mmhandoff.frontend`: serve HTTP once the workers are discoverable."""
     import signal
 
-    from mmhandoff.serving.registration import lost_message, lost_registration
-    from mmhandoff.serving.runtime import client, run, runtime
-    from mmhandoff.serving.runtime import serve as serve_endpoint
+    from mmhandoff.plane.registration import lost_message, lost_registration
+    from mmhandoff.plane.runtime import client, run, runtime
+    from mmhandoff.plane.runtime import serve as serve_endpoint
 
     p = parser()
     args = p.parse_args(argv)
@@ -626,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         decode = await client(rt, f"{args.namespace}.{args.decode}", args.wait_s)
         placement = None
         if args.router != "none" and prefill is not None:
-            from mmhandoff.serving.endpoints import PLACE, beside
+            from mmhandoff.plane.endpoints import PLACE, beside
 
             placement = PrefillPlacement(await client(
                 rt, f"{args.namespace}.{beside(args.router, PLACE)}", args.wait_s), prefill)
@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         # The frontend's own instance in discovery, watched like a worker's: a runtime that lost
         # its etcd lease sees no worker again (every answer a 503) though the process runs.
         alive = f"{args.namespace}.frontend.alive"
-        alive_endpoint = rt.endpoint(alive)  # taken before serving it (serving/registration)
+        alive_endpoint = rt.endpoint(alive)  # taken before serving it (plane/registration)
         serving_alive = serve_endpoint(rt, alive, _alive, (), endpoint=alive_endpoint)
         lost = asyncio.ensure_future(lost_registration(alive_endpoint))
         stopped = asyncio.ensure_future(stop.wait())

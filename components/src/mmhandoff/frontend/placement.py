@@ -24,7 +24,7 @@ import sys
 import msgspec
 from blake3 import blake3
 
-from mmhandoff.serving.runtime import RemoteError, call_one
+from mmhandoff.plane.runtime import RemoteError, call_one
 from mmhandoff.wire.messages import ImagePart, Placement, PlaceRequest, PrefillRequest
 
 PLACE_TIMEOUT_S = 1.0  # a router slower than this is skipped: Dynamo's round robin instead

@@ -38,7 +38,7 @@ class ImageLimits:
 
 @dataclass(frozen=True)
 class LoadedImage:
-    # RGB; None: not decoded, because the engine holds it processed (prefill.prompt's memo)
+    # RGB; None: not decoded, because the engine holds it processed (engine.prompt's memo)
     image: Image.Image | None
     content_hash: str
     source_bytes: int

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from mmhandoff.serving.runtime import call_one
+from mmhandoff.plane.runtime import call_one
 from mmhandoff.wire.handoff import Handoff
 from mmhandoff.wire.messages import KvHeld
 

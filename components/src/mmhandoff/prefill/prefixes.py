@@ -4,7 +4,7 @@ placement: {image key: the engine's hashes of the prompt's full blocks through t
 The keys come from the frontend (frontend.placement.image_keys), one per image in prompt order;
 the blocks through image i are the full blocks that end at or before its last placeholder token,
 the ones any request with the same key shares (the text after the image may differ). Published
-on the worker's kv_blocks stream (serving.block_feed), kept by routers (router.prefix_table).
+on the worker's kv_blocks stream (process.block_feed), kept by routers (router.prefix_table).
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ from typing import AsyncIterator, Callable
 import msgspec
 
 from mmhandoff.engine import RELEASE_ON_STOP_KEY, Engine, EngineInputError, Rendered, Step
+from mmhandoff.engine.prompt import InvalidRequest, PromptBuilder
 from mmhandoff.media.images import ImageError, ImageLimits, data_uri_bytes
+from mmhandoff.plane.endpoints import generate
 from mmhandoff.prefill.bypass import decode_can_answer
 from mmhandoff.prefill.prefixes import image_ends, prefix_blocks
-from mmhandoff.prefill.prompt import InvalidRequest, PromptBuilder
-from mmhandoff.serving.endpoints import generate
 from mmhandoff.wire.handoff import VERSION, BlockHashes, Handoff, sign
 from mmhandoff.wire.messages import (
     FirstToken,
@@ -257,14 +257,14 @@ ERRORS = (ImageError, InvalidRequest, EngineInputError, PrefillError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmhandoff.serving.launch import run
+    from mmhandoff.process.engine_worker import run
 
     async def make_worker(engine, args, rt):
         key = args.handoff_keys[0] if args.handoff_keys else None  # the first key signs
         router = None
         if args.router != "none" and args.bypass_max_tokens > 0:
+            from mmhandoff.plane.endpoints import HELD, beside
             from mmhandoff.prefill.bypass import RouterLookup
-            from mmhandoff.serving.endpoints import HELD, beside
 
             router = RouterLookup(await (
                 rt.endpoint(f"{args.namespace}.{beside(args.router, HELD)}").client()))

@@ -1,4 +1,4 @@
-"""Keeps a KvIndex up to date from the workers' `kv_blocks` streams (mmhandoff.serving.block_feed),
+"""Keeps a KvIndex up to date from the workers' `kv_blocks` streams (mmhandoff.process.block_feed),
 and each worker's engine load (requests running and waiting) and, from prefill workers, the
 blocks each image key stands for (router.prefix_table), from the same streams.
 
@@ -18,8 +18,8 @@ from typing import Callable
 
 import msgspec
 
+from mmhandoff.plane.runtime import RemoteError, call
 from mmhandoff.router.index import KvIndex
-from mmhandoff.serving.runtime import RemoteError, call
 from mmhandoff.wire.messages import KvBlocks
 
 DISCOVERY_POLL_S = 0.5  # how often the instance list is compared with the streams followed

@@ -34,15 +34,15 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 import msgspec
 
+from mmhandoff.plane.endpoints import GENERATE, HELD, KV_BLOCKS, PLACE, beside, generate
+from mmhandoff.plane.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
+from mmhandoff.plane.runtime import RemoteError, call, error_envelope
 from mmhandoff.router.index import KvIndex
 from mmhandoff.router.prefix_table import PrefixTable
 from mmhandoff.router.scorers import Candidates
 from mmhandoff.router.scorers.kv_usage import KvUsageScorer
 from mmhandoff.router.scorers.load import LoadScorer
 from mmhandoff.router.scorers.overlap import OverlapScorer
-from mmhandoff.serving.endpoints import GENERATE, HELD, KV_BLOCKS, PLACE, beside, generate
-from mmhandoff.serving.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
-from mmhandoff.serving.runtime import RemoteError, call, error_envelope
 from mmhandoff.wire.handoff import Handoff, HandoffError, authentic, handoff_from_builtins
 from mmhandoff.wire.messages import KvHeld, Placement, PlaceRequest
 
@@ -270,15 +270,15 @@ async def _followers(rt, args, router: Router) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmhandoff.serving.health import start_not_ready
-    from mmhandoff.serving.runtime import client, runtime, serve
-    from mmhandoff.serving.runtime import run as run_loop
+    from mmhandoff.plane.runtime import client, runtime, serve
+    from mmhandoff.plane.runtime import run as run_loop
+    from mmhandoff.process.health import start_not_ready
 
     args = parser().parse_args(argv)
 
     async def run() -> int:
+        from mmhandoff.plane.registration import lost_message, lost_registration
         from mmhandoff.router.metrics import publish_router_metrics
-        from mmhandoff.serving.registration import lost_message, lost_registration
         from mmhandoff.vllm_adapter.block_hashes import BlockHasher
 
         start_not_ready()
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         router = Router(decode, prefill=prefill, policy=args.policy, weights=args.weights,
                         hasher=BlockHasher(args.block_size, seed=args.block_hash_seed),
                         keys=handoff_keys(args))
-        # every endpoint is taken before any is served (serving/registration.py)
+        # every endpoint is taken before any is served (plane/registration.py)
         endpoints = {name: rt.endpoint(f"{args.namespace}.{beside(ENDPOINT, name)}")
                      for name in (GENERATE, HELD, PLACE)}
         followers = await _followers(rt, args, router) if args.policy == "kv" else {}
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         # out of discovery (an etcd lease lost), no frontend would call it again: exit, as a
-        # worker does, so that serve or Kubernetes restarts it (serving/registration.py)
+        # worker does, so that serve or Kubernetes restarts it (plane/registration.py)
         lost = asyncio.ensure_future(lost_registration(endpoints[GENERATE]))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)

@@ -3,7 +3,7 @@ or hands each batch of events to a callback.
 
 The events are vLLM's own wire format, hence this module's place in the adapter. The engine binds
 (`tcp://*:PORT` or `ipc://...` in its kv_events_config); this side connects. A worker turns them
-into its `kv_blocks` stream for routers (`changes`, mmhandoff.serving.block_feed); tests use the
+into its `kv_blocks` stream for routers (`changes`, mmhandoff.process.block_feed); tests use the
 collected blocks to compare block hashes between engines.
 """
 

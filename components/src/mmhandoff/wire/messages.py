@@ -214,7 +214,7 @@ class ErrorEnvelope(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class KvBlocks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    """One item of a worker's `kv_blocks` stream (mmhandoff.serving.block_feed): the first is the
+    """One item of a worker's `kv_blocks` stream (mmhandoff.process.block_feed): the first is the
     whole picture (`snapshot`: every block its engine holds now, its load and its latest image
     prefixes), each later one a change, in the engine's order: blocks `stored`, blocks `removed`,
     or every block gone (`cleared`, an engine that reset its prefix cache), and between them the

@@ -1,9 +1,9 @@
 """Running one component as its own process: `python -m mmhandoff.<component> --model DIR ...`.
 
 Starts the component's engine, serves its handler on the Dynamo runtime, reports ready on Dynamo's
-system status server (mmhandoff.serving.health) with its engine's load on the same server's
-/metrics (mmhandoff.serving.load_metrics), serves the blocks its engine holds to routers (a second
-endpoint, `<component>.kv_blocks`: mmhandoff.serving.block_feed), and on SIGINT/SIGTERM reports not ready, stops
+system status server (mmhandoff.process.health) with its engine's load on the same server's
+/metrics (mmhandoff.process.load_metrics), serves the blocks its engine holds to routers (a second
+endpoint, `<component>.kv_blocks`: mmhandoff.process.block_feed), and on SIGINT/SIGTERM reports not ready, stops
 serving (in-flight requests finish), then shuts the engine down. If the engine dies, it exits with
 `health.ENGINE_DEAD` (3).
 """
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from mmhandoff.serving.addresses import default_host
-from mmhandoff.serving.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
+from mmhandoff.plane.addresses import default_host
+from mmhandoff.plane.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
 
 
 def parser(role: str) -> argparse.ArgumentParser:
@@ -130,7 +130,7 @@ def run(role: str, spec_role: str | Callable, endpoint: str, make_worker: Callab
     `handle` serves the endpoint and whose `warm_up()`, if it has one, runs before the worker
     reports ready; `rt` is the Dynamo runtime, for workers that call other components."""
     args = parser(role).parse_args(argv)
-    from mmhandoff.serving.runtime import run as run_loop
+    from mmhandoff.plane.runtime import run as run_loop
     from mmhandoff.vllm_adapter import fast_exit
 
     code = run_loop(_serve(args, spec_role, endpoint, make_worker, errors))
@@ -142,11 +142,11 @@ def run(role: str, spec_role: str | Callable, endpoint: str, make_worker: Callab
 
 
 async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
-    from mmhandoff.serving import block_feed
-    from mmhandoff.serving.health import ENGINE_DEAD, start_not_ready, watch_engine
-    from mmhandoff.serving.runtime import runtime, serve
-    from mmhandoff.serving.load_metrics import publish_engine_load
-    from mmhandoff.serving.registration import lost_message, lost_registration
+    from mmhandoff.plane.registration import lost_message, lost_registration
+    from mmhandoff.plane.runtime import runtime, serve
+    from mmhandoff.process import block_feed
+    from mmhandoff.process.health import ENGINE_DEAD, start_not_ready, watch_engine
+    from mmhandoff.process.load_metrics import publish_engine_load
     from mmhandoff.vllm_adapter import EngineLoad, start_engine
 
     events = block_feed.events_endpoint()
@@ -160,7 +160,7 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,
                  request_plane=args.request_plane, nixl_host=args.nixl_host)
     path = f"{args.namespace}.{endpoint}"
-    # taken once, before anything is served (see serving/registration.py)
+    # taken once, before anything is served (see plane/registration.py)
     served_endpoint = rt.endpoint(path)
     publish_engine_load(served_endpoint, load)
     # the blocks the engine holds, for routers (started before requests can come)

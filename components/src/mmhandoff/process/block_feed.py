@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 import msgspec
 
-from mmhandoff.serving.endpoints import KV_BLOCKS
+from mmhandoff.plane.endpoints import KV_BLOCKS
 from mmhandoff.wire.messages import KvBlocks
 
 MAX_BEHIND = 10_000
@@ -110,7 +110,7 @@ class BlockFeed:
 def start_feed(rt, component_path: str, endpoint: str, block_size: int):
     """Serve `<component_path>.kv_blocks` from the engine's events at `endpoint`; returns
     (feed, subscriber, serving future). Close the feed, then the subscriber, on stop."""
-    from mmhandoff.serving.runtime import serve
+    from mmhandoff.plane.runtime import serve
     from mmhandoff.vllm_adapter.kv_events import KVEventSubscriber, changes
 
     loop = asyncio.get_running_loop()

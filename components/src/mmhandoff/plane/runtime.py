@@ -7,7 +7,7 @@ yield an error envelope instead (`{"error": {"code", "message", "cause"}}`) and 
 turns it back into a typed exception on the client side.
 
 Defaults are for one host: file discovery in $DYN_FILE_KV, TCP request plane, every advertised
-address on loopback unless $POD_IP names this host's (mmhandoff.serving.addresses).
+address on loopback unless $POD_IP names this host's (mmhandoff.plane.addresses).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def runtime(loop: asyncio.AbstractEventLoop, *, discovery: str | None = None,
     with the others (a loopback address in a multi-host graph is reported on stderr)."""
     from dynamo.runtime import DistributedRuntime
 
-    from mmhandoff.serving.addresses import loopback_warning, set_advertised_defaults
+    from mmhandoff.plane.addresses import loopback_warning, set_advertised_defaults
 
     set_advertised_defaults()
     if warning := loopback_warning(os.environ, nixl_host):
@@ -102,7 +102,7 @@ def serve(rt, path: str, handler: Callable[[Any], AsyncIterator[Any]],
           errors: tuple[type[BaseException], ...], *, endpoint=None) -> asyncio.Future:
     """Serve `handler` at `path` ("namespace.component.endpoint"); see endpoint_handler.
     `endpoint`: the runtime's Endpoint for `path`, when the caller took it already (take each
-    one before serving anything: serving/registration.py says why)."""
+    one before serving anything: plane/registration.py says why)."""
     target = endpoint if endpoint is not None else rt.endpoint(path)
     return asyncio.ensure_future(target.serve_endpoint(endpoint_handler(handler, errors)))
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mmhandoff.serving.endpoints import generate
+from mmhandoff.plane.endpoints import generate
 
 # The roles each component plays for its callers, and the roles it calls (its flags). The
 # router takes handoffs for decode, and answers prefill which replica holds a prompt's KV.

@@ -37,7 +37,7 @@ def start_not_ready() -> None:
 
 def free_system_port() -> int:
     """A loopback port the system status server can take (see MAX_SYSTEM_PORT)."""
-    from mmhandoff.serving.ports import free_port
+    from mmhandoff.plane.ports import free_port
 
     return free_port()
 

@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from typing import Mapping
 from pathlib import Path
 
-from mmhandoff.serving.gpus import PlacementError, Slot, place, share_args, visible_gpus
-from mmhandoff.serving.graph import Component
-from mmhandoff.serving.health import ENGINE_DEAD, free_system_port
-from mmhandoff.serving.handoff_keys import KEY_ENV, KEY_FILE_ENV
-from mmhandoff.serving.ports import free_port
+from mmhandoff.plane.handoff_keys import KEY_ENV, KEY_FILE_ENV
+from mmhandoff.plane.ports import free_port
+from mmhandoff.process.health import ENGINE_DEAD, free_system_port
+from mmhandoff.serve.gpus import PlacementError, Slot, place, share_args, visible_gpus
+from mmhandoff.serve.graph import Component
 
 GRACE_S = 60.0  # for the whole stop: long enough for in-flight answers to finish
 END_GRACE_S = 20.0  # for a dead replica's engine processes; an engine's own stop takes <= 15 s

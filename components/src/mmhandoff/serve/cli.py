@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "serve":
-        from mmhandoff.serving.supervisor import GraphError, serve
+        from mmhandoff.serve.supervisor import GraphError, serve
 
         try:
             return serve(args.target, args.config, args.port)

@@ -1,5 +1,5 @@
 """Every endpoint of the graph, named once. A component serves `<namespace>.<component>.<name>`;
-its callers learn `<component>.generate` from the graph's links (serving/graph.py) and reach its
+its callers learn `<component>.generate` from the graph's links (serve/graph.py) and reach its
 other endpoints by these names beside it.
 """
 
