@@ -154,3 +154,17 @@ def test_an_answer_continued_from_its_first_tokens_on_a_gpu(loop, workers):
         assert whole[k:] == rest or (  # the same tokens; text per chunk may group differently
             [t for t, _ in whole[k:]] == [t for t, _ in rest]
             and "".join(x for _, x in whole) == "".join(x for _, x in whole[:k] + rest)), k
+
+
+def test_engines_batch_as_vllm_serve_does_on_a_gpu(gpu):
+    """vLLM sizes the batch by usage context; an AsyncLLM started without one took the bare
+    scheduler defaults (2048 tokens, 128 sequences), a quarter of `vllm serve`'s on an H100."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    engines, _ = gpu
+    tokens, seqs = (table[UsageContext.OPENAI_API_SERVER]
+                    for table in EngineArgs.get_batch_defaults(world_size=1))
+    for engine in engines.values():
+        config = engine.llm.vllm_config.scheduler_config
+        assert (config.max_num_batched_tokens, config.max_num_seqs) == (tokens, seqs)

@@ -262,6 +262,7 @@ def start_engine(spec: EngineSpec, load=None):
 
 def start_llm(spec: EngineSpec, load=None, ipc_dir: str | None = None):
     """vLLM's AsyncLLM for `spec`; its sockets' files in `ipc_dir` if given."""
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from mmhandoff.vllm_adapter.reaping import serialize_reaping
@@ -269,7 +270,12 @@ def start_llm(spec: EngineSpec, load=None, ipc_dir: str | None = None):
     loggers = [load.logger_factory()] if load is not None else None
     env = engine_env(spec) | ({"VLLM_RPC_BASE_PATH": ipc_dir} if ipc_dir else {})
     with _patched_environ(env):
-        llm = AsyncLLM.from_engine_args(engine_args(spec), stat_loggers=loggers)
+        # the batch defaults `vllm serve` gets: vLLM sizes them by usage context, and
+        # AsyncLLM's own (ENGINE_CONTEXT) is in none of its tables, so an engine started without
+        # one got the bare SchedulerConfig defaults (2048 batched tokens, 128 sequences; `vllm
+        # serve` on an H100: 8192 and 1024): at 32 in flight, 0.78x its throughput (docs/gpu.md)
+        llm = AsyncLLM.from_engine_args(engine_args(spec), stat_loggers=loggers,
+                                        usage_context=UsageContext.OPENAI_API_SERVER)
     serialize_reaping(_core_processes(llm))
     return llm
 
