@@ -260,7 +260,11 @@ async def run_arm(arm: str, model: str, pool: dict, log_dir: Path,
     print(f"[vs_vllm] {arm}: up in {start_s:.0f} s", flush=True)
     out = {"start_s": start_s, "cells": {}}
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        # a fresh connection per request, for every arm alike: a pooled keep-alive connection
+        # that the server had closed failed a 12 MP POST with "Broken pipe" (vLLM P/D, H100)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                         connector=aiohttp.TCPConnector(force_close=True)
+                                         ) as session:
             for size in SIZES:  # warm-up: the first requests of a fresh engine are slow
                 await cell(session, arm, servers, pool[size][:4], 4)
             used = {size: 4 for size in SIZES}
@@ -354,6 +358,9 @@ def main(argv=None) -> int:
     print(f"[vs_vllm] images ready in {time.monotonic() - t0:.0f} s; logs in {log_dir}",
           flush=True)
     profile = Path(args.profile) if args.profile else None
+    # stopped from outside (a `timeout`): each arm's finally stops its servers, which run in
+    # sessions of their own and would otherwise keep the GPU for whatever runs next
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = {arm: asyncio.run(run_arm(arm, model, pool, log_dir, profile)) for arm in arms}
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
