@@ -46,6 +46,9 @@ class AggWorker:
             async for chunk in chunks:
                 yield chunk
 
+    async def warm_up(self) -> None:  # the engine's warm-up is all agg needs
+        pass
+
     async def handle(self, request: dict) -> AsyncIterator[dict]:
         """Dynamo endpoint handler: a PrefillRequest (data-URI images) in, DecodeChunks out."""
         async with aclosing(self.generate(self.prompts.from_wire(request))) as chunks:
@@ -63,7 +66,7 @@ ERRORS = (ImageError, InvalidRequest, EngineInputError)
 def main(argv: list[str] | None = None) -> int:
     from mmhandoff.process.engine_worker import run
 
-    return run("agg", "agg", ENDPOINT, lambda engine, args, rt: AggWorker(engine), ERRORS, argv)
+    return run("agg", "agg", ENDPOINT, lambda engine, context: AggWorker(engine), ERRORS, argv)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,9 @@ class FullMediaDecodeWorker:
             async for chunk in chunks:
                 yield chunk
 
+    async def warm_up(self) -> None:  # the engine's warm-up is all this arm needs
+        pass
+
     async def handle(self, request: dict) -> AsyncIterator[dict]:
         try:  # the wire form carries image bytes as base64 text
             typed = msgspec.convert(request, FullMediaRequest)

@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     from mmhandoff.decode.full_media import FullMediaDecodeWorker, InvalidFullMedia
     from mmhandoff.process.engine_worker import run
 
-    def make_worker(engine, args, rt):
+    def make_worker(engine, context):
+        args = context.args
         if args.full_media:
             return FullMediaDecodeWorker(engine, kv_deadline_s=args.kv_deadline_s)
         return DecodeWorker(engine, kv_deadline_s=args.kv_deadline_s, keys=args.handoff_keys)

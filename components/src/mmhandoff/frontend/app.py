@@ -602,11 +602,9 @@ def parser():
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmhandoff.frontend`: serve HTTP once the workers are discoverable."""
-    import signal
-
-    from mmhandoff.plane.registration import lost_message, lost_registration
     from mmhandoff.plane.runtime import client, run, runtime
     from mmhandoff.plane.runtime import serve as serve_endpoint
+    from mmhandoff.process.lifecycle import until_stopped
 
     p = parser()
     args = p.parse_args(argv)
@@ -638,23 +636,13 @@ def main(argv: list[str] | None = None) -> int:
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
         print(f"[frontend] ready on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         # The frontend's own instance in discovery, watched like a worker's: a runtime that lost
         # its etcd lease sees no worker again (every answer a 503) though the process runs.
         alive = f"{args.namespace}.frontend.alive"
         alive_endpoint = rt.endpoint(alive)  # taken before serving it (plane/registration)
         serving_alive = serve_endpoint(rt, alive, _alive, (), endpoint=alive_endpoint)
-        lost = asyncio.ensure_future(lost_registration(alive_endpoint))
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
-        code = 0
-        if lost.done():
-            print(f"[frontend] {lost_message(lost.result())}", file=sys.stderr, flush=True)
-            code = 1
-        for task in (stopped, lost, serving_alive):
-            task.cancel()
+        code = await until_stopped("frontend", alive_endpoint)
+        serving_alive.cancel()
         await runner.cleanup()  # in-flight answers finish (DRAIN_S at most)
         rt.shutdown()
         return code

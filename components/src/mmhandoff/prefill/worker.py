@@ -76,7 +76,8 @@ class PrefillWorker:
 
     def __init__(self, engine: Engine, *, limits: ImageLimits = ImageLimits(),
                  full_media: bool = False, key: bytes | None = None,
-                 ttl_s: float = HANDOFF_TTL_S, router=None, bypass_max_tokens: int = 0) -> None:
+                 ttl_s: float = HANDOFF_TTL_S, router=None, bypass_max_tokens: int = 0,
+                 publish_prefixes: Callable[[dict[str, list]], None] | None = None) -> None:
         """`key`: sign every handoff with it, with a nonce and an expiry `ttl_s` from now
         (decode is given the same key). `router` (a RouterLookup) and `bypass_max_tokens` > 0:
         skip the engine for a prompt a decode replica can answer from its own cache (bypass)."""
@@ -85,9 +86,12 @@ class PrefillWorker:
         self.full_media = full_media
         self.key, self.ttl_s = key, ttl_s
         self.router, self.bypass_max_tokens = router, bypass_max_tokens
-        # set by the launcher to its kv_blocks feed's: what each image key's prefix is in this
-        # engine's blocks, for the router's placement (prefill.prefixes)
-        self.publish_prefixes: Callable[[dict[str, list]], None] | None = None
+        # what each image key's prefix is in this engine's blocks, for the router's placement
+        # (prefill.prefixes): the process's kv_blocks feed takes them; None: nobody does
+        self.publish_prefixes = publish_prefixes
+
+    async def warm_up(self) -> None:  # the engine's warm-up is all prefill needs
+        pass
 
     async def prefill(self, request: PrefillRequest) -> PrefillAnswer:
         """The answer's first token (unless `request.first_token` is False), the handoff for
@@ -259,7 +263,8 @@ ERRORS = (ImageError, InvalidRequest, EngineInputError, PrefillError)
 def main(argv: list[str] | None = None) -> int:
     from mmhandoff.process.engine_worker import run
 
-    async def make_worker(engine, args, rt):
+    async def make_worker(engine, context):
+        args = context.args
         key = args.handoff_keys[0] if args.handoff_keys else None  # the first key signs
         router = None
         if args.router != "none" and args.bypass_max_tokens > 0:
@@ -267,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
             from mmhandoff.prefill.bypass import RouterLookup
 
             router = RouterLookup(await (
-                rt.endpoint(f"{args.namespace}.{beside(args.router, HELD)}").client()))
+                context.rt.endpoint(f"{args.namespace}.{beside(args.router, HELD)}").client()))
         return PrefillWorker(engine, full_media=args.full_media, key=key, router=router,
                              ttl_s=handoff_ttl(args.kv_lease_s),
-                             bypass_max_tokens=args.bypass_max_tokens)
+                             bypass_max_tokens=args.bypass_max_tokens,
+                             publish_prefixes=context.publish_prefixes)
 
     return run("prefill", "prefill", ENDPOINT, make_worker, ERRORS, argv)
 

@@ -2,10 +2,10 @@
 
 Starts the component's engine, serves its handler on the Dynamo runtime, reports ready on Dynamo's
 system status server (mmhandoff.process.health) with its engine's load on the same server's
-/metrics (mmhandoff.process.load_metrics), serves the blocks its engine holds to routers (a second
-endpoint, `<component>.kv_blocks`: mmhandoff.process.block_feed), and on SIGINT/SIGTERM reports not ready, stops
-serving (in-flight requests finish), then shuts the engine down. If the engine dies, it exits with
-`health.ENGINE_DEAD` (3).
+/metrics (mmhandoff.process.load_metrics), serves the blocks its engine holds to routers (a
+second endpoint, `<component>.kv_blocks`: mmhandoff.process.block_feed), and on SIGINT/SIGTERM
+(process.lifecycle) reports not ready, stops serving (in-flight requests finish), then shuts the
+engine down. If the engine dies, it exits with `health.ENGINE_DEAD` (3).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import inspect
 import ipaddress
 import json
 import os
-import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from mmhandoff.plane.addresses import default_host
 from mmhandoff.plane.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
@@ -123,12 +123,31 @@ def engine_spec(args: argparse.Namespace, role: str, kv_events_endpoint: str | N
                       kv_blocks_across_layers=os.environ.get(KV_PER_LAYER_ENV) != "1")
 
 
-def run(role: str, spec_role: str | Callable, endpoint: str, make_worker: Callable,
+@dataclass
+class WorkerContext:
+    """What a worker gets of its process besides its engine (`make_worker(engine, context)`)."""
+
+    args: argparse.Namespace  # the component's command line
+    rt: Any  # the Dynamo runtime: for workers that call other components
+    # the process's kv_blocks feed: what each image key's prefix is in this engine's blocks, for
+    # routers' placement (prefill.prefixes)
+    publish_prefixes: Callable[[dict[str, list]], None]
+
+
+class Worker(Protocol):
+    """What the process needs of a worker: the endpoint's handler, and its own warm-up (after the
+    engine's, before the worker reports ready: the first client's request as fast as the rest)."""
+
+    def handle(self, request: dict) -> AsyncIterator[dict]: ...
+
+    async def warm_up(self) -> None: ...
+
+
+def run(role: str, spec_role: str | Callable, endpoint: str,
+        make_worker: Callable[[Any, WorkerContext], Worker | Awaitable[Worker]],
         errors: tuple, argv: list[str] | None = None) -> int:
     """`spec_role`: the EngineSpec role, or a function of the parsed arguments giving it.
-    `make_worker(engine, args, rt)` (a coroutine function, or a plain one): the worker, whose
-    `handle` serves the endpoint and whose `warm_up()`, if it has one, runs before the worker
-    reports ready; `rt` is the Dynamo runtime, for workers that call other components."""
+    `make_worker(engine, context)` (a coroutine function, or a plain one): the worker."""
     args = parser(role).parse_args(argv)
     from mmhandoff.plane.runtime import run as run_loop
     from mmhandoff.vllm_adapter import fast_exit
@@ -142,10 +161,10 @@ def run(role: str, spec_role: str | Callable, endpoint: str, make_worker: Callab
 
 
 async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
-    from mmhandoff.plane.registration import lost_message, lost_registration
     from mmhandoff.plane.runtime import runtime, serve
     from mmhandoff.process import block_feed
     from mmhandoff.process.health import ENGINE_DEAD, start_not_ready, watch_engine
+    from mmhandoff.process.lifecycle import until_stopped
     from mmhandoff.process.load_metrics import publish_engine_load
     from mmhandoff.vllm_adapter import EngineLoad, start_engine
 
@@ -176,38 +195,23 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
             pass
 
     load.on_change = publish_load
-    worker = make_worker(engine, args, rt)
+    worker = make_worker(engine, WorkerContext(args, rt, feed.prefixes))
     if inspect.isawaitable(worker):
         worker = await worker
-    if hasattr(worker, "publish_prefixes"):  # prefill: image prefixes, for routers' placement
-        worker.publish_prefixes = feed.prefixes
     # the first client's request as fast as the rest: the engine's one-time costs, then the
     # worker's own path
     await engine.warm_up()
-    if hasattr(worker, "warm_up"):
-        await worker.warm_up()
+    await worker.warm_up()
     served = serve(rt, path, worker.handle, errors, endpoint=served_endpoint)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     rt.set_health_status(True)
     # the start's cost, to see a compile cache work (a GPU engine's first start compiles)
     print(f"[{path}] ready: engine started in {engine_s:.1f} s, warmed up in "
           f"{time.monotonic() - t0 - engine_s:.1f} s", file=sys.stderr, flush=True)
-    stopped = asyncio.ensure_future(stop.wait())
     watch = asyncio.ensure_future(watch_engine(rt, engine, path))
-    lost = asyncio.ensure_future(lost_registration(served_endpoint))
-    await asyncio.wait([stopped, watch, served, lost], return_when=asyncio.FIRST_COMPLETED)
-    code = 0
-    if watch.done():
-        code = ENGINE_DEAD
-    elif served.done():
-        print(f"[{path}] the endpoint stopped serving: {served.exception()!r}", file=sys.stderr,
-              flush=True)
-        code = 1
-    elif lost.done():
-        print(f"[{path}] {lost_message(lost.result())}", file=sys.stderr, flush=True)
-        code = 1
+    code = await until_stopped(path, served_endpoint, {
+        watch: lambda _: (ENGINE_DEAD, None),  # watch_engine said why
+        served: lambda task: (1, f"the endpoint stopped serving: {task.exception()!r}"),
+    })
     rt.set_health_status(False)
     feed.close()  # routers' streams end now: they are not requests to wait for
     rt.shutdown()  # stops accepting; graceful endpoints let in-flight requests finish
@@ -216,7 +220,7 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
             await asyncio.wait_for(served, 30)
         except (asyncio.TimeoutError, Exception):
             pass
-    for task in (stopped, watch, served, lost):
+    for task in (watch, served):
         task.cancel()
     subscriber.close()
     engine.shutdown()

@@ -26,7 +26,6 @@ import asyncio
 import math
 import os
 import random
-import signal
 import sys
 import time
 from collections import Counter
@@ -277,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
 
     async def run() -> int:
-        from mmhandoff.plane.registration import lost_message, lost_registration
+        from mmhandoff.process.lifecycle import until_stopped
         from mmhandoff.router.metrics import publish_router_metrics
         from mmhandoff.vllm_adapter.block_hashes import BlockHasher
 
@@ -306,21 +305,11 @@ def main(argv: list[str] | None = None) -> int:
                                         (PLACE, router.handle_place))]
         rt.set_health_status(True)
         print(f"[{args.namespace}.{ENDPOINT}] ready", file=sys.stderr, flush=True)
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         # out of discovery (an etcd lease lost), no frontend would call it again: exit, as a
         # worker does, so that serve or Kubernetes restarts it (plane/registration.py)
-        lost = asyncio.ensure_future(lost_registration(endpoints[GENERATE]))
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
-        code = 0
-        if lost.done():
-            print(f"[{args.namespace}.{ENDPOINT}] {lost_message(lost.result())}",
-                  file=sys.stderr, flush=True)
-            code = 1
+        code = await until_stopped(f"{args.namespace}.{ENDPOINT}", endpoints[GENERATE])
         rt.set_health_status(False)
-        for task in (*follows, lost, stopped):
+        for task in follows:
             task.cancel()
         rt.shutdown()
         if code == 0:
