@@ -107,15 +107,15 @@ def test_place_sends_a_known_prefix_to_the_prefill_replica_holding_its_blocks(ha
     r = Router(_Instances([1, 2]), prefill=_Instances([10, 20, 30]), hasher=hasher)
     ask = PlaceRequest(request_id="r", image_keys=["k1"])
     # nothing learned yet: load decides, from what the prefill workers publish
-    r.prefill_loads.update({10: 2, 20: 0, 30: 1})
+    r.prefill.loads.update({10: 2, 20: 0, 30: 1})
     assert r.place(ask) == Placement(instance=20, reason="load")
     r.table.update({"k1": [7, 8]})  # a prefill worker said what k1 is in blocks
-    r.prefill_index.stored(30, [7, 8, 9])  # what prefill 30's engine says it holds
-    r.prefill_index.stored(10, [7])
+    r.prefill.index.stored(30, [7, 8, 9])  # what prefill 30's engine says it holds
+    r.prefill.index.stored(10, [7])
     assert r.place(ask) == Placement(instance=30, reason="overlap", blocks_held=2, blocks=2)
-    r.prefill_index.removed(30, [7])  # evicted: not a prefix any more
+    r.prefill.index.removed(30, [7])  # evicted: not a prefix any more
     assert r.place(ask) == Placement(instance=10, reason="overlap", blocks_held=1, blocks=2)
-    r.prefill_index.removed(10, [7])
+    r.prefill.index.removed(10, [7])
     assert r.place(ask).reason == "load"
 
 
@@ -192,7 +192,7 @@ def test_what_prefill_publishes_reaches_a_routers_table_through_the_feed(loop):
     from mmhandoff.prefill.worker import PrefillWorker
     from mmhandoff.process.block_feed import BlockFeed
     from mmhandoff.router.follow import Follower
-    from mmhandoff.router.index import KvIndex
+    from mmhandoff.router.tier import Tier
     from tests.conftest import data_uri, encode, make_image
 
     engine = FakeEngine(role="prefill")
@@ -208,7 +208,7 @@ def test_what_prefill_publishes_reaches_a_routers_table_through_the_feed(loop):
         rendered = await engine.render(worker.prompts.text(request),
                                        await worker.prompts.images(request))
         table = PrefixTable()
-        follower = Follower(_FeedClient(feed), KvIndex(), engine.block_size,
+        follower = Follower(_FeedClient(feed), Tier("prefill"), engine.block_size,
                             on_prefixes=table.update)
         follower.sync({7})
         for _ in range(20):

@@ -11,11 +11,11 @@ import pytest
 from mmhandoff.process import block_feed
 from mmhandoff.process.block_feed import BlockFeed
 from mmhandoff.router.follow import Follower
-from mmhandoff.router.index import KvIndex
 from mmhandoff.router.router import Router
 from mmhandoff.router.scorers import Candidates
 from mmhandoff.router.scorers.load import LoadScorer
 from mmhandoff.router.scorers.overlap import OverlapScorer
+from mmhandoff.router.tier import Tier
 from mmhandoff.wire.handoff import VERSION, BlockHashes, Features, Handoff, Sampling, Span, sign
 from mmhandoff.wire.messages import KvBlocks, KvHeld
 
@@ -81,19 +81,19 @@ def test_the_replica_holding_the_longest_prefix_wins(hasher):
     r = _router(hasher)
     h = _handoff(list(range(100, 121)))  # 21 tokens: 5 full blocks
     blocks = _blocks(r, h)
-    r.index.stored(20, blocks[:2])
-    r.index.stored(30, blocks[:4])
+    r.decode.index.stored(20, blocks[:2])
+    r.decode.index.stored(30, blocks[:4])
     assert r.pick(h) == (30, "overlap")
-    r.index.stored(10, blocks)
+    r.decode.index.stored(10, blocks)
     assert r.pick(h) == (10, "overlap")
 
 
 def test_the_same_tokens_with_another_image_are_other_blocks(hasher):
     r = _router(hasher)
     h = _handoff(list(range(100, 121)))
-    r.index.stored(30, _blocks(r, h))
+    r.decode.index.stored(30, _blocks(r, h))
     other = _handoff(list(range(100, 121)), image="img-b")  # the image starts in block 0
-    assert r.index.overlap(_blocks(r, other))[30] == 0
+    assert r.decode.index.overlap(_blocks(r, other))[30] == 0
     assert r.pick(other)[1] == "load"
 
 
@@ -107,7 +107,7 @@ def test_an_authentic_handoffs_own_hashes_are_looked_up_any_other_is_hashed_agai
     h = msgspec.structs.replace(h, block_hashes=carried)
     signed = msgspec.to_builtins(sign(h, key, ttl_s=30))
     r = _router(hasher, keys=[key])
-    r.index.stored(30, carried.hashes)
+    r.decode.index.stored(30, carried.hashes)
     assert r.pick(signed) == (30, "overlap") and r.hashed_by == {"prefill": 1}
     tampered = dict(signed, block_hashes={"block_size": BLOCK, "hashes": [7, 8, 9, 10, 12]})
     unsigned = msgspec.to_builtins(h)
@@ -118,7 +118,7 @@ def test_an_authentic_handoffs_own_hashes_are_looked_up_any_other_is_hashed_agai
     assert r.hashed_by == {"prefill": 1, "router": 3}
     # a router without keys (an unsigned plane) takes an unsigned handoff's hashes
     unkeyed = _router(hasher)
-    unkeyed.index.stored(20, carried.hashes)
+    unkeyed.decode.index.stored(20, carried.hashes)
     assert unkeyed.pick(unsigned) == (20, "overlap")
     assert unkeyed.pick(signed)[1] == "load"  # signed with a key it does not have
 
@@ -137,7 +137,7 @@ def test_load_counts_what_the_workers_publish_when_it_is_more(hasher):
     """Another router's requests show only in what the worker published."""
     r = _router(hasher)
     h = _handoff(list(range(50, 70)))
-    r.decode_loads.update({10: 3, 20: 1, 30: 2})  # as the workers last published
+    r.decode.loads.update({10: 3, 20: 1, 30: 2})  # as the workers last published
     r.in_flight.update({20: 4})  # this router's own streams: more than 20 published
     assert r.pick(h) == (30, "load")
 
@@ -145,7 +145,7 @@ def test_load_counts_what_the_workers_publish_when_it_is_more(hasher):
 def test_kv_usage_weighs_when_the_yaml_gives_it_a_weight(hasher):
     h = _handoff(list(range(50, 70)))
     r = _router(hasher, weights={"overlap": 1, "kv_usage": 0.5})
-    r.decode_kv_usage.update({10: 0.9, 20: 0.2, 30: 0.5})
+    r.decode.kv_usage.update({10: 0.9, 20: 0.2, 30: 0.5})
     assert r.pick(h) == (20, "load")  # nothing held: the emptiest KV cache
 
 
@@ -153,7 +153,7 @@ def test_load_breaks_a_tie_in_overlap(hasher):
     r = _router(hasher)
     h = _handoff(list(range(100, 121)))
     for instance in (10, 20):
-        r.index.stored(instance, _blocks(r, h))
+        r.decode.index.stored(instance, _blocks(r, h))
     r.in_flight[10] = 3
     assert r.pick(h) == (20, "overlap")
 
@@ -162,8 +162,8 @@ def test_a_bypassed_handoff_goes_where_its_blocks_are_whatever_the_load(hasher):
     """It names no KV to pull: only a replica holding its blocks can answer it."""
     r = _router(hasher, weights={"overlap": 1, "load": 10})
     h = _handoff(list(range(100, 121)), bypass=True)
-    r.index.stored(20, _blocks(r, h)[:3])
-    r.index.stored(30, _blocks(r, h)[:2])
+    r.decode.index.stored(20, _blocks(r, h)[:3])
+    r.decode.index.stored(30, _blocks(r, h)[:2])
     r.in_flight.update({20: 5})
     assert r.pick(h) == (20, "bypass")
     pulled = _handoff(list(range(100, 121)))  # the same prompt with KV to pull: load weighs
@@ -175,8 +175,8 @@ def test_held_names_the_replica_with_the_most_leading_blocks(hasher):
     h = _handoff(list(range(100, 121)), bypass=True)  # 5 full blocks
     blocks = _blocks(r, h)
     assert r.held(h) == KvHeld(instance=None, blocks_held=0, blocks=5)
-    r.index.stored(10, blocks[1:])  # not a prefix: no use
-    r.index.stored(30, blocks[:3])
+    r.decode.index.stored(10, blocks[1:])  # not a prefix: no use
+    r.decode.index.stored(30, blocks[:3])
     assert r.held(h) == KvHeld(instance=30, blocks_held=3, blocks=5)
     assert _router(hasher, policy="round_robin").held(h) == KvHeld()
     assert r.held({"v": 1, "token_ids": "x"}) == KvHeld()
@@ -187,9 +187,9 @@ def test_the_random_policy_picks_every_live_replica_whatever_it_holds(hasher):
     from mmhandoff.wire.messages import PlaceRequest
 
     r = _router(hasher, policy="random")
-    r.prefill = _Instances([1, 2])
+    r.prefill.client = _Instances([1, 2])
     h = _handoff(list(range(100, 121)))
-    r.index.stored(30, _blocks(r, h))  # ignored
+    r.decode.index.stored(30, _blocks(r, h))  # ignored
     picks = [r.pick(h) for _ in range(40)]
     assert {reason for _, reason in picks} == {"random"}
     assert {i for i, _ in picks} == {10, 20, 30}
@@ -303,8 +303,9 @@ class _Feeds:
 
 def test_the_follower_mirrors_each_instance_and_resyncs_after_a_broken_stream():
     async def scenario():
-        feeds, index = _Feeds(), KvIndex()
-        f = Follower(feeds, index, block_size=32)
+        feeds, tier = _Feeds(), Tier("decode")
+        index = tier.index
+        f = Follower(feeds, tier, block_size=32)
 
         async def settle():
             for _ in range(20):

@@ -1,4 +1,4 @@
-"""Keeps a KvIndex up to date from the workers' `kv_blocks` streams (mmhandoff.process.block_feed),
+"""Keeps a tier's KvIndex up to date from the workers' `kv_blocks` streams (mmhandoff.process.block_feed),
 and each worker's engine load (requests running and waiting) and, from prefill workers, the
 blocks each image key stands for (router.prefix_table), from the same streams.
 
@@ -19,24 +19,25 @@ from typing import Callable
 import msgspec
 
 from mmhandoff.plane.runtime import RemoteError, call
-from mmhandoff.router.index import KvIndex
+from mmhandoff.router.tier import Tier
 from mmhandoff.wire.messages import KvBlocks
 
 DISCOVERY_POLL_S = 0.5  # how often the instance list is compared with the streams followed
 
 
 class Follower:
-    def __init__(self, feeds, index: KvIndex, block_size: int,
+    def __init__(self, feeds, tier: Tier, block_size: int,
                  on_prefixes: Callable[[dict[str, list]], None] | None = None) -> None:
         self.feeds = feeds  # Dynamo client of <component>.kv_blocks
         self.on_prefixes = on_prefixes  # what a prefill worker says its image keys stand for
-        self.index = index
+        # kept here, per instance: the blocks it holds, its engine's requests running + waiting,
+        # the share of its KV cache held
+        self.tier = tier
+        self.index, self.loads, self.kv_usage = tier.index, tier.loads, tier.kv_usage
         self.block_size = block_size
         self._streams: dict[int, asyncio.Task] = {}
         self._refused: set[int] = set()
         self._synced: set[int] = set()  # instances whose snapshot arrived on the current stream
-        self.loads: dict[int, int] = {}  # instance -> its engine's requests running + waiting
-        self.kv_usage: dict[int, float] = {}  # instance -> the share of its KV cache held
         self.snapshots = 0  # streams (re)started and synced: for tests and metrics
 
     async def ready(self, timeout_s: float) -> bool:

@@ -36,16 +36,12 @@ import msgspec
 from mmhandoff.plane.endpoints import GENERATE, HELD, KV_BLOCKS, PLACE, beside, generate
 from mmhandoff.plane.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
 from mmhandoff.plane.runtime import RemoteError, call, error_envelope
-from mmhandoff.router.index import KvIndex
 from mmhandoff.router.prefix_table import PrefixTable
-from mmhandoff.router.scorers import Candidates
-from mmhandoff.router.scorers.kv_usage import KvUsageScorer
-from mmhandoff.router.scorers.load import LoadScorer
-from mmhandoff.router.scorers.overlap import OverlapScorer
+from mmhandoff.router.scorers import SCORERS, Candidates
+from mmhandoff.router.tier import Tier
 from mmhandoff.wire.handoff import Handoff, HandoffError, authentic, handoff_from_builtins
 from mmhandoff.wire.messages import KvHeld, Placement, PlaceRequest
 
-SCORERS = {s.name: s for s in (OverlapScorer(), LoadScorer(), KvUsageScorer())}
 DEFAULT_WEIGHTS = {"overlap": 1.0, "load": 0.1}
 POLICIES = ("kv", "round_robin", "random")
 SYNC_WAIT_S = 10.0  # at start, how long the router waits for the workers' snapshots
@@ -53,32 +49,24 @@ SYNC_WAIT_S = 10.0  # at start, how long the router waits for the workers' snaps
 
 class Router:
     def __init__(self, decode, *, prefill=None, policy: str = "kv", hasher=None,
-                 index: KvIndex | None = None, prefill_index: KvIndex | None = None,
                  weights: Mapping[str, float] = DEFAULT_WEIGHTS,
                  keys: Sequence[bytes] = ()) -> None:
-        """`keys`: the handoff keys (decode's); a handoff's own block hashes are used only when
-        it is authentic (with no keys: unsigned, or its checksum verifies)."""
+        """`decode`, `prefill`: Dynamo clients of the tiers' generate endpoints (no prefill: no
+        placement). `keys`: the handoff keys (decode's); a handoff's own block hashes are used
+        only when it is authentic (with no keys: unsigned, or its checksum verifies)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
         unknown = set(weights) - set(SCORERS)
         if unknown:
             raise ValueError(f"unknown scorers {sorted(unknown)}; known: {sorted(SCORERS)}")
-        self.decode = decode  # Dynamo client of decode.generate
-        self.prefill = prefill  # Dynamo client of prefill.generate (placement), or None
+        self.decode = Tier("decode", decode)
+        self.prefill = Tier("prefill", prefill)
         self.policy = policy
         self.hasher = hasher  # BlockHasher with the engines' settings (policy "kv")
         self.keys = tuple(keys)
-        self.index = index if index is not None else KvIndex()  # decode instances' blocks
-        self.prefill_index = prefill_index if prefill_index is not None else KvIndex()
-        # requests each engine runs and queues, and the share of its KV cache they hold, as the
-        # workers publish them (router.follow)
-        self.prefill_loads: dict[int, int] = {}
-        self.decode_loads: dict[int, int] = {}
-        self.prefill_kv_usage: dict[int, float] = {}
-        self.decode_kv_usage: dict[int, float] = {}
         self.table = PrefixTable()  # image keys -> engine blocks, as prefill workers publish
         self.weights = {name: w for name, w in weights.items() if w}
-        self.in_flight: Counter[int] = Counter()
+        self.in_flight: Counter[int] = Counter()  # decode requests this router streams
         self._turns: Counter[str] = Counter()  # per tier: who is next among equals
         self._random = random.Random(0)  # policy "random": the benchmarks' baseline, seeded
         self.decisions: Counter[str] = Counter()  # by reason (router.metrics)
@@ -90,7 +78,7 @@ class Router:
 
     def pick(self, handoff: dict) -> tuple[int | None, str]:
         """(decode instance, reason) for this handoff; instance None = Dynamo's round robin."""
-        live = sorted(self.decode.instance_ids())
+        live = self.decode.live()
         if self.policy == "round_robin" or len(live) < 2:
             return None, "round_robin"
         if self.policy == "random":
@@ -99,42 +87,42 @@ class Router:
         if parsed is None:  # decode refuses it with the typed error; any replica will do
             return None, "unparsed"
         h, hashes = parsed
-        overlap = self.index.overlap(hashes)
         # prefill's bypass: a handoff that names no KV to pull can only be answered where its
         # blocks are, so the overlap alone decides (prefill.bypass)
         weights = {"overlap": 1.0} if not h.kv_transfer_params else self.weights
         # this router's own streams are exact at once; what the worker published also counts
         # other routers' requests
-        load = {i: max(self.in_flight.get(i, 0), self.decode_loads.get(i, 0)) for i in live}
-        choice = self._choose("decode", Candidates(live, overlap, len(hashes), load,
-                                                   self.decode_kv_usage), weights)
+        choice, held = self._choose(self.decode, live, hashes, weights, self.in_flight)
         self.blocks_total += len(hashes)
-        self.overlap_total += overlap.get(choice, 0)
+        self.overlap_total += held
         if not h.kv_transfer_params:
             return choice, "bypass"
-        return choice, ("overlap" if overlap.get(choice, 0) else "load")
+        return choice, ("overlap" if held else "load")
 
     def place(self, request: PlaceRequest) -> Placement:
         """The prefill instance for a request, before prefill: the one holding the blocks of its
         longest image prefix the table knows (by the prefill engines' own KV events), load
         (the workers' published requests) breaking ties. None (round robin) without image
         keys, with one prefill instance, or under policy round_robin."""
-        live = sorted(self.prefill.instance_ids()) if self.prefill is not None else []
+        live = self.prefill.live()
         if self.policy == "round_robin" or len(live) < 2 or not request.image_keys:
             return Placement()
         if self.policy == "random":
             return Placement(instance=self._random.choice(live), reason="random")
         hashes = self.table.deepest(request.image_keys)
-        overlap = self.prefill_index.overlap(hashes) if hashes else {}
-        load = {i: self.prefill_loads.get(i, 0) for i in live}
-        choice = self._choose("prefill", Candidates(live, overlap, len(hashes), load,
-                                                    self.prefill_kv_usage), self.weights)
-        held = overlap.get(choice, 0)
+        choice, held = self._choose(self.prefill, live, hashes, self.weights)
         return Placement(instance=choice, reason="overlap" if held else "load",
                          blocks_held=held, blocks=len(hashes))
 
-    def _choose(self, tier: str, c: Candidates, weights: Mapping[str, float]) -> int:
-        """The best weighted score; ties to the least loaded, then in turn."""
+    def _choose(self, tier: Tier, live: list[int], hashes: Sequence, weights: Mapping[str, float],
+                own: Mapping[int, int] = {}) -> tuple[int, int]:
+        """(instance, its leading blocks held) with the best weighted score for a request whose
+        blocks are `hashes`, among `live` of `tier`; ties to the least loaded, then in turn.
+        An instance's load is the more of what it published and `own` (requests this router
+        streams to it)."""
+        overlap = tier.index.overlap(hashes) if hashes else {}
+        load = {i: max(own.get(i, 0), tier.loads.get(i, 0)) for i in live}
+        c = Candidates(live, overlap, len(hashes), load, tier.kv_usage)
         total = dict.fromkeys(c.instances, 0.0)
         for name, weight in weights.items():
             for instance, score in SCORERS[name].score(c).items():
@@ -143,19 +131,19 @@ class Router:
         tied = [i for i in c.instances if math.isclose(total[i], best)]
         fewest = min(c.in_flight.get(i, 0) for i in tied)
         tied = [i for i in tied if c.in_flight.get(i, 0) == fewest]
-        choice = tied[self._turns[tier] % len(tied)]
-        self._turns[tier] += 1
-        return choice
+        choice = tied[self._turns[tier.name] % len(tied)]
+        self._turns[tier.name] += 1
+        return choice, overlap.get(choice, 0)
 
     def held(self, handoff: dict) -> KvHeld:
         """The live decode instance holding most of the handoff's leading blocks (for prefill's
         bypass: prefill.bypass), by the same index and hashes as `pick`."""
-        live = sorted(self.decode.instance_ids())
+        live = self.decode.live()
         parsed = self._hashed(handoff) if self.policy == "kv" and live else None
         if parsed is None:
             return KvHeld()
         hashes = parsed[1]
-        overlap = self.index.overlap(hashes)
+        overlap = self.decode.index.overlap(hashes)
         best = max(live, key=lambda i: (overlap.get(i, 0), -self.in_flight[i]))
         held = overlap.get(best, 0)
         return KvHeld(instance=best if held else None, blocks_held=held, blocks=len(hashes))
@@ -196,7 +184,7 @@ class Router:
         if instance is not None:
             self.in_flight[instance] += 1
         try:
-            async for chunk in call(self.decode, handoff, instance, lost="decode_failed"):
+            async for chunk in call(self.decode.client, handoff, instance, lost="decode_failed"):
                 yield chunk
         except RemoteError as e:  # decode's typed error goes back to the caller as it came
             yield error_envelope(e)
@@ -253,20 +241,15 @@ def parser():
 
 async def _followers(rt, args, router: Router) -> dict:
     """{tier: Follower} of the decode and prefill workers' kv_blocks streams, each keeping its
-    tier's index, loads and (prefill) image prefixes in `router`."""
+    tier's index and loads in `router`, and the prefill workers' image prefixes in its table."""
     from mmhandoff.router.follow import Follower
-    followers = {}
-    for tier, endpoint, index in (("decode", args.decode, router.index),
-                                  ("prefill", args.prefill, router.prefill_index)):
-        feeds = await rt.endpoint(f"{args.namespace}.{beside(endpoint, KV_BLOCKS)}").client()
-        followers[tier] = Follower(feeds, index, args.block_size,
-                                   on_prefixes=router.table.update)
-    router.decode_loads = followers["decode"].loads
-    router.decode_kv_usage = followers["decode"].kv_usage
-    router.prefill_loads = followers["prefill"].loads
-    router.prefill_kv_usage = followers["prefill"].kv_usage
-    return followers
 
+    followers = {}
+    for tier, endpoint in ((router.decode, args.decode), (router.prefill, args.prefill)):
+        feeds = await rt.endpoint(f"{args.namespace}.{beside(endpoint, KV_BLOCKS)}").client()
+        followers[tier.name] = Follower(feeds, tier, args.block_size,
+                                        on_prefixes=router.table.update)
+    return followers
 
 def main(argv: list[str] | None = None) -> int:
     from mmhandoff.plane.runtime import client, runtime, serve

@@ -10,9 +10,10 @@ instance not heard from yet.
 
 from __future__ import annotations
 
-from mmhandoff.router.scorers import Candidates
+from mmhandoff.router.scorers.base import Candidates, register
 
 
+@register
 class KvUsageScorer:
     name = "kv_usage"
 

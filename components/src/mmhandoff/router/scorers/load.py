@@ -10,9 +10,10 @@ pass through the router), the published count alone (router.Router).
 
 from __future__ import annotations
 
-from mmhandoff.router.scorers import Candidates
+from mmhandoff.router.scorers.base import Candidates, register
 
 
+@register
 class LoadScorer:
     name = "load"
 

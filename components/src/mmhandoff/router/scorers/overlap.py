@@ -9,9 +9,10 @@ has no full block.
 
 from __future__ import annotations
 
-from mmhandoff.router.scorers import Candidates
+from mmhandoff.router.scorers.base import Candidates, register
 
 
+@register
 class OverlapScorer:
     name = "overlap"
 
