@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -54,6 +55,15 @@ class Loop:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
+
+
+@pytest.fixture
+def mmhandoff_log(caplog, monkeypatch):
+    """What mmhandoff's loggers write during the test (mmhandoff.logs.setup, which a component's
+    main calls, keeps them from the root logger, where caplog listens)."""
+    monkeypatch.setattr(logging.getLogger("mmhandoff"), "propagate", True)
+    caplog.set_level(logging.INFO)
+    return caplog
 
 
 @pytest.fixture(scope="session")

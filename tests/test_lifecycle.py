@@ -50,7 +50,7 @@ def test_a_stop_signal_ends_it_with_0():
     assert _run(run) == 0
 
 
-def test_its_own_end_gives_the_code_and_line_it_means(capsys):
+def test_its_own_end_gives_the_code_and_line_it_means(mmhandoff_log):
     async def run():
         engine_dead = asyncio.ensure_future(asyncio.sleep(0.01))
         never = asyncio.get_running_loop().create_future()
@@ -59,12 +59,12 @@ def test_its_own_end_gives_the_code_and_line_it_means(capsys):
             engine_dead: lambda _: (3, "the engine died"),
         })
     assert _run(run) == 3
-    assert "[t] the engine died" in capsys.readouterr().err
+    assert "[t] the engine died" in mmhandoff_log.text
 
 
-def test_out_of_discovery_it_ends_with_1_and_says_why(monkeypatch, capsys):
+def test_out_of_discovery_it_ends_with_1_and_says_why(monkeypatch, mmhandoff_log):
     async def lost(endpoint):
         return "lost"
     monkeypatch.setattr(lifecycle, "lost_registration", lost)
     assert _run(lambda: lifecycle.until_stopped("t", _Registered(listed=False))) == 1
-    assert "[t] not in discovery for" in capsys.readouterr().err
+    assert "[t] not in discovery for" in mmhandoff_log.text

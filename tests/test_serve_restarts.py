@@ -58,7 +58,7 @@ def _pid(s, name: str) -> int:
     return next(r.proc.pid for r in s.replicas if r.name == name)
 
 
-def test_a_dead_replica_is_restarted_then_given_up_on(sup, capsys):
+def test_a_dead_replica_is_restarted_then_given_up_on(sup, mmhandoff_log):
     assert [r.name for r in sup.replicas] == ["router-0", "router-1", "frontend-0"]
     for attempt in range(1, supervisor.MAX_RESTARTS + 1):
         old = _kill(sup, "router-0")
@@ -67,7 +67,8 @@ def test_a_dead_replica_is_restarted_then_given_up_on(sup, capsys):
         backoff = supervisor.BACKOFF_S[min(attempt - 1, len(supervisor.BACKOFF_S) - 1)]
         assert time.monotonic() - t0 >= backoff  # not at once: after the backoff
         assert all(r.proc.poll() is None for r in sup.replicas)  # the others untouched
-        assert "router-0 died (killed by signal 9); restarting it in" in capsys.readouterr().out
+        assert "router-0 died (killed by signal 9); restarting it in" in mmhandoff_log.text
+        mmhandoff_log.clear()
     _kill(sup, "router-0")  # out of restarts: the graph ends, naming it
     assert _tend_until(sup, bool) == [("router-0", -9)]
 

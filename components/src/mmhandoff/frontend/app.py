@@ -28,7 +28,7 @@ taking connections and lets the answers in flight finish (at most DRAIN_S), then
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -37,6 +37,7 @@ from typing import AsyncIterator
 import msgspec
 from aiohttp import web
 
+from mmhandoff import logs
 from mmhandoff.frontend import logprobs as oai_logprobs
 from mmhandoff.frontend.metrics import FrontendMetrics
 from mmhandoff.frontend.placement import PrefillPlacement, image_keys
@@ -62,6 +63,8 @@ from mmhandoff.wire.messages import (
     PromptLogprobs,
     TokenLogprob,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Frontend", "FrontendLimits", "ApiError"]
 
@@ -458,8 +461,7 @@ class Frontend:
         try:
             answer = _prefill_answer(await prefilled)
         except Exception as e:  # nothing to answer to: the lease frees the blocks in the end
-            print(f"[frontend] releasing an abandoned handoff failed: {e!r}", file=sys.stderr,
-                  flush=True)
+            log.warning(f"[frontend] releasing an abandoned handoff failed: {e!r}")
             return
         if answer.needs_decode():
             await self._hand_over(answer)
@@ -471,14 +473,12 @@ class Frontend:
                 async for _ in chunks:
                     break
         except Exception as e:  # nothing to answer to: the lease frees the blocks in the end
-            print(f"[frontend] releasing an abandoned handoff failed: {e!r}", file=sys.stderr,
-                  flush=True)
+            log.warning(f"[frontend] releasing an abandoned handoff failed: {e!r}")
 
 
 def _internal(request, e: Exception) -> ApiError:
     """A bug of ours: logged with its cause; the client gets a 500 (or an error event)."""
-    print(f"[frontend] {request.method} {request.path} failed: {e!r}", file=sys.stderr,
-          flush=True)
+    log.warning(f"[frontend] {request.method} {request.path} failed: {e!r}")
     return ApiError(500, f"internal error: {type(e).__name__}", "internal", "server_error")
 
 
@@ -608,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = parser()
     args = p.parse_args(argv)
+    logs.setup()
     try:
         policy = FetchPolicy(allow_networks=FetchPolicy.networks(args.allow_image_networks),
                              timeout_s=args.image_fetch_timeout_s)
@@ -617,8 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     async def serve() -> int:
         rt = runtime(asyncio.get_running_loop())
         names = [n for n in (args.prefill, args.decode) if n != "none"]
-        print(f"[frontend] waiting for {', '.join(names)} in {args.namespace}", file=sys.stderr,
-              flush=True)
+        log.info(f"[frontend] waiting for {', '.join(names)} in {args.namespace}")
         prefill = None if args.prefill == "none" else await client(
             rt, f"{args.namespace}.{args.prefill}", args.wait_s)
         decode = await client(rt, f"{args.namespace}.{args.decode}", args.wait_s)
@@ -635,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = frontend.runner()
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
-        print(f"[frontend] ready on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        log.info(f"[frontend] ready on http://{args.host}:{args.port}/v1")
         # The frontend's own instance in discovery, watched like a worker's: a runtime that lost
         # its etcd lease sees no worker again (every answer a 503) though the process runs.
         alive = f"{args.namespace}.frontend.alive"

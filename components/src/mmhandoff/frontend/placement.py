@@ -19,13 +19,15 @@ not steer the placement.
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 
 import msgspec
 from blake3 import blake3
 
 from mmhandoff.plane.runtime import RemoteError, call_one
 from mmhandoff.wire.messages import ImagePart, Placement, PlaceRequest, PrefillRequest
+
+log = logging.getLogger(__name__)
 
 PLACE_TIMEOUT_S = 1.0  # a router slower than this is skipped: Dynamo's round robin instead
 _PERSON = b"mmhandoff image prefix v1\0"  # the keys' format: change it when what they cover does
@@ -74,8 +76,8 @@ class PrefillPlacement:
         except Exception as e:  # noqa: BLE001 (any failure: round robin, said once)
             if not self._warned:
                 self._warned = True
-                print(f"[frontend] router.place failed ({e!r}): prefill round robin until it "
-                      f"answers", file=sys.stderr, flush=True)
+                log.warning(f"[frontend] router.place failed ({e!r}): prefill round robin until it "
+                            f"answers")
             return None
         self._warned = False
         if placement.instance not in self.prefill.instance_ids():

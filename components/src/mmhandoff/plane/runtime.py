@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
+import logging
 from typing import Any, AsyncIterator, Callable, Coroutine
 
 import msgspec
 
 from mmhandoff.wire.messages import ErrorEnvelope, RemoteFault
+
+log = logging.getLogger(__name__)
 
 
 class RemoteError(RuntimeError):
@@ -70,7 +72,7 @@ def runtime(loop: asyncio.AbstractEventLoop, *, discovery: str | None = None,
 
     set_advertised_defaults()
     if warning := loopback_warning(os.environ, nixl_host):
-        print(f"[mmhandoff] WARNING: {warning}", file=sys.stderr, flush=True)
+        log.warning(f"[mmhandoff] WARNING: {warning}")
     return DistributedRuntime(
         loop, discovery or os.environ.get("MMHANDOFF_DISCOVERY", "file"),
         request_plane or os.environ.get("MMHANDOFF_REQUEST_PLANE", "tcp"))

@@ -16,7 +16,7 @@ contract: prefill's token is dropped and decode samples the first token. With a 
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -39,6 +39,8 @@ from mmhandoff.wire.messages import (
     PrefillStats,
     PromptLogprobs,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["InvalidRequest", "PrefillError", "PrefillWorker"]
 
@@ -192,8 +194,7 @@ class PrefillWorker:
         try:
             held = await self.router.held(handoff)
         except Exception as e:  # the router is a hint: without it, prefill as usual
-            print(f"[prefill] router lookup failed ({e!r}): prefilling", file=sys.stderr,
-                  flush=True)
+            log.warning(f"[prefill] router lookup failed ({e!r}): prefilling")
             return None
         if not decode_can_answer(handoff, held, self.engine.block_size, self.bypass_max_tokens):
             return None

@@ -16,7 +16,7 @@ import inspect
 import ipaddress
 import json
 import os
-import sys
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +24,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from mmhandoff.plane.addresses import default_host
 from mmhandoff.plane.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
+
+log = logging.getLogger(__name__)
 
 
 def parser(role: str) -> argparse.ArgumentParser:
@@ -149,7 +151,10 @@ def run(role: str, spec_role: str | Callable, endpoint: str,
     """`spec_role`: the EngineSpec role, or a function of the parsed arguments giving it.
     `make_worker(engine, context)` (a coroutine function, or a plain one): the worker."""
     args = parser(role).parse_args(argv)
+    from mmhandoff import logs
     from mmhandoff.plane.runtime import run as run_loop
+
+    logs.setup()
     from mmhandoff.vllm_adapter import fast_exit
 
     code = run_loop(_serve(args, spec_role, endpoint, make_worker, errors))
@@ -205,8 +210,8 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     served = serve(rt, path, worker.handle, errors, endpoint=served_endpoint)
     rt.set_health_status(True)
     # the start's cost, to see a compile cache work (a GPU engine's first start compiles)
-    print(f"[{path}] ready: engine started in {engine_s:.1f} s, warmed up in "
-          f"{time.monotonic() - t0 - engine_s:.1f} s", file=sys.stderr, flush=True)
+    log.info(f"[{path}] ready: engine started in {engine_s:.1f} s, warmed up in "
+             f"{time.monotonic() - t0 - engine_s:.1f} s")
     watch = asyncio.ensure_future(watch_engine(rt, engine, path))
     code = await until_stopped(path, served_endpoint, {
         watch: lambda _: (ENGINE_DEAD, None),  # watch_engine said why

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
+import logging
+
+log = logging.getLogger(__name__)
 
 ENGINE_DEAD = 3
 # How often the engine is looked at: vLLM's own monitor thread notices a dead engine core at
@@ -47,6 +49,5 @@ async def watch_engine(rt, engine, name: str, interval_s: float = INTERVAL_S) ->
     while (cause := engine.dead_cause()) is None:
         await asyncio.sleep(interval_s)
     rt.set_health_status(False)
-    print(f"[{name}] engine died ({cause}): not ready; exiting with {ENGINE_DEAD}",
-          file=sys.stderr, flush=True)
+    log.warning(f"[{name}] engine died ({cause}): not ready; exiting with {ENGINE_DEAD}")
     return cause

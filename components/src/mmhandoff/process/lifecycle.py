@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
+import logging
 from typing import Callable
 
 from mmhandoff.plane.registration import lost_message, lost_registration
+
+log = logging.getLogger(__name__)
 
 # A component's own end: a task, and what its end means, (exit code, a line to log or None).
 Ends = dict[asyncio.Future, Callable[[asyncio.Future], tuple[int, str | None]]]
@@ -39,7 +41,7 @@ async def until_stopped(name: str, registered, ends: Ends | None = None) -> int:
         if lost.done():
             code, line = 1, lost_message(lost.result())
     if line is not None:
-        print(f"[{name}] {line}", file=sys.stderr, flush=True)
+        log.info(f"[{name}] {line}")
     for task in (stopped, lost):
         task.cancel()
     return code

@@ -1,6 +1,7 @@
-"""Keeps a tier's KvIndex up to date from the workers' `kv_blocks` streams (mmhandoff.process.block_feed),
-and each worker's engine load (requests running and waiting) and, from prefill workers, the
-blocks each image key stands for (router.prefix_table), from the same streams.
+"""Keeps a tier's KvIndex up to date from the workers' `kv_blocks` streams
+(mmhandoff.process.block_feed), and each worker's engine load (requests running and waiting)
+and, from prefill workers, the blocks each image key stands for (router.prefix_table), from the
+same streams.
 
 One stream per live instance of the endpoint, keyed by its Dynamo instance id (the same id its
 `generate` endpoint has). A stream that ends or breaks (the worker stopped, fell behind, or the
@@ -13,7 +14,7 @@ never match): said once on stderr.
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 from typing import Callable
 
 import msgspec
@@ -21,6 +22,8 @@ import msgspec
 from mmhandoff.plane.runtime import RemoteError, call
 from mmhandoff.router.tier import Tier
 from mmhandoff.wire.messages import KvBlocks
+
+log = logging.getLogger(__name__)
 
 DISCOVERY_POLL_S = 0.5  # how often the instance list is compared with the streams followed
 
@@ -89,10 +92,9 @@ class Follower:
                 if update.kind == "snapshot":
                     if update.block_size != self.block_size:
                         self._refused.add(instance)
-                        print(f"[router] instance {instance:x} hashes blocks of "
-                              f"{update.block_size} tokens, this router {self.block_size}: not "
-                              f"routing by its KV (set the same block size on both)",
-                              file=sys.stderr, flush=True)
+                        log.info(f"[router] instance {instance:x} hashes blocks of "
+                                 f"{update.block_size} tokens, this router {self.block_size}: not "
+                                 f"routing by its KV (set the same block size on both)")
                         return
                     self.snapshots += 1
                     self._synced.add(instance)

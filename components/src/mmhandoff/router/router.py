@@ -26,13 +26,14 @@ import asyncio
 import math
 import os
 import random
-import sys
+import logging
 import time
 from collections import Counter
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 import msgspec
 
+from mmhandoff import logs
 from mmhandoff.plane.endpoints import GENERATE, HELD, KV_BLOCKS, PLACE, beside, generate
 from mmhandoff.plane.handoff_keys import KEY_ENV, KEY_FILE_ENV, handoff_keys
 from mmhandoff.plane.runtime import RemoteError, call, error_envelope
@@ -41,6 +42,8 @@ from mmhandoff.router.scorers import SCORERS, Candidates
 from mmhandoff.router.tier import Tier
 from mmhandoff.wire.handoff import Handoff, HandoffError, authentic, handoff_from_builtins
 from mmhandoff.wire.messages import KvHeld, Placement, PlaceRequest
+
+log = logging.getLogger(__name__)
 
 DEFAULT_WEIGHTS = {"overlap": 1.0, "load": 0.1}
 POLICIES = ("kv", "round_robin", "random")
@@ -257,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmhandoff.process.health import start_not_ready
 
     args = parser().parse_args(argv)
+    logs.setup()
 
     async def run() -> int:
         from mmhandoff.process.lifecycle import until_stopped
@@ -279,15 +283,15 @@ def main(argv: list[str] | None = None) -> int:
         synced = await asyncio.gather(*(f.ready(SYNC_WAIT_S) for f in followers.values()))
         for tier, ok in zip(followers, synced):
             if not ok:
-                print(f"[router] not every {tier} instance's blocks arrived in {SYNC_WAIT_S:g} "
-                      f"s; routing by load until they do", file=sys.stderr, flush=True)
+                log.warning(f"[router] not every {tier} instance's blocks arrived in "
+                            f"{SYNC_WAIT_S:g} s; routing by load until they do")
         publish_router_metrics(endpoints[GENERATE], router, followers)
         served = [serve(rt, f"{args.namespace}.{beside(ENDPOINT, name)}", handler, (),
                         endpoint=endpoints[name])
                   for name, handler in ((GENERATE, router.handle), (HELD, router.handle_held),
                                         (PLACE, router.handle_place))]
         rt.set_health_status(True)
-        print(f"[{args.namespace}.{ENDPOINT}] ready", file=sys.stderr, flush=True)
+        log.info(f"[{args.namespace}.{ENDPOINT}] ready")
         # out of discovery (an etcd lease lost), no frontend would call it again: exit, as a
         # worker does, so that serve or Kubernetes restarts it (plane/registration.py)
         code = await until_stopped(f"{args.namespace}.{ENDPOINT}", endpoints[GENERATE])

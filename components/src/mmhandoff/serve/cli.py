@@ -22,7 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "serve":
+        from mmhandoff import logs
         from mmhandoff.serve.supervisor import GraphError, serve
+
+        logs.setup(sys.stdout)  # serve's lines are its output; its components' come through it
 
         try:
             return serve(args.target, args.config, args.port)

@@ -27,6 +27,7 @@ side-channel ports are picked free per replica.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import secrets
 import shutil
@@ -46,6 +47,8 @@ from mmhandoff.plane.ports import free_port
 from mmhandoff.process.health import ENGINE_DEAD, free_system_port
 from mmhandoff.serve.gpus import PlacementError, Slot, place, share_args, visible_gpus
 from mmhandoff.serve.graph import Component
+
+log = logging.getLogger(__name__)
 
 GRACE_S = 60.0  # for the whole stop: long enough for in-flight answers to finish
 END_GRACE_S = 20.0  # for a dead replica's engine processes; an engine's own stop takes <= 15 s
@@ -206,10 +209,10 @@ class Supervisor:
         self.env = graph_env(self.config, os.environ, self.run_dir)
         Path(self.env["TMPDIR"]).mkdir(exist_ok=True)
         for name, slot in self.slots.items():
-            print(f"[serve] {name}: GPU {slot.gpu}"
-                  + (f", {slot.share:.2f} of its memory" if slot.share is not None else "")
-                  + (f", starts once {', '.join(slot.shared_with)} is ready"
-                     if slot.shared_with else ""), flush=True)
+            log.info(f"[serve] {name}: GPU {slot.gpu}"
+                     + (f", {slot.share:.2f} of its memory" if slot.share is not None else "")
+                     + (f", starts once {', '.join(slot.shared_with)} is ready"
+                        if slot.shared_with else ""))
         self.pending = [(c, i) for c in self.components for i in range(self.replica_count(c))]
         self.start_due()
 
@@ -245,7 +248,7 @@ class Supervisor:
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
-        print(f"[serve] started {name} (pid {proc.pid}, health {health})", flush=True)
+        log.info(f"[serve] started {name} (pid {proc.pid}, health {health})")
         return Replica(name, component.module, proc, health, component, i, time.monotonic())
 
     def placed(self, component, command: list[str], env: dict[str, str]):
@@ -271,9 +274,9 @@ class Supervisor:
                 fatal.append((r.name, r.proc.returncode))
             elif r.restart_at is None:
                 r.restart_at = now + BACKOFF_S[min(r.restarts, len(BACKOFF_S) - 1)]
-                print(f"[serve] {r.name} died ({_exit(r.proc.returncode)}); restarting it in "
-                      f"{r.restart_at - now:.0f} s (restart {r.restarts + 1} of {MAX_RESTARTS}"
-                      f"); its other replicas serve meanwhile", flush=True)
+                log.warning(f"[serve] {r.name} died ({_exit(r.proc.returncode)}); restarting it "
+                            f"in {r.restart_at - now:.0f} s (restart {r.restarts + 1} of "
+                            f"{MAX_RESTARTS}); its other replicas serve meanwhile")
             elif now >= r.restart_at:
                 _end_session(r.proc.pid)  # its engine processes may outlive it
                 fresh = self._launch(r.component, r.index)
@@ -301,13 +304,13 @@ class Supervisor:
             waiting = [r.name for r in self.replicas if r.name not in self.ready] + [
                 f"{c.module}-{i} (queued for its GPU)" for c, i in self.pending]
             if not waiting:
-                print(f"[serve] ready: {self.frontend_url()}/v1 "
-                      f"({time.monotonic() - t0:.0f} s)", flush=True)
+                log.info(f"[serve] ready: {self.frontend_url()}/v1 "
+                         f"({time.monotonic() - t0:.0f} s)")
                 return True
             if time.monotonic() - last > 15:
                 last = time.monotonic()
-                print(f"[serve] starting ... {time.monotonic() - t0:.0f} s; waiting for "
-                      f"{', '.join(waiting)}", flush=True)
+                log.info(f"[serve] starting ... {time.monotonic() - t0:.0f} s; waiting for "
+                         f"{', '.join(waiting)}")
             time.sleep(0.5)
         return False
 
@@ -328,8 +331,7 @@ class Supervisor:
                 try:
                     r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    print(f"[serve] {r.name} did not stop in {GRACE_S:.0f} s: killing it",
-                          flush=True)
+                    log.warning(f"[serve] {r.name} did not stop in {GRACE_S:.0f} s: killing it")
                     continue
                 _await_session(r.proc.pid, deadline)
         for r in self.replicas:  # the whole session: engine cores and workers included
@@ -442,22 +444,21 @@ def serve(target: str, config_path: str, port: int | None = None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.update(requested=True))
-    print(f"[serve] graph: {' -> '.join(c.module for c in reversed(components))}", flush=True)
+    log.info(f"[serve] graph: {' -> '.join(c.module for c in reversed(components))}")
     sup.start()
     code = 0
     try:
         if not sup.wait_ready(requested) and not requested():
             code = 1
-            print(f"[serve] not ready: {sup.dead() or 'timed out'}", flush=True)
+            log.warning(f"[serve] not ready: {sup.dead() or 'timed out'}")
         while code == 0 and not requested():
             time.sleep(0.2)
             if dead := sup.tend():
-                print("[serve] component died: " + ", ".join(
-                    f"{n} ({_exit(rc)})" for n, rc in dead) + "; stopping the graph",
-                    flush=True)
+                log.warning("[serve] component died: " + ", ".join(
+                    f"{n} ({_exit(rc)})" for n, rc in dead) + "; stopping the graph")
                 code = 1
     finally:
-        print("[serve] stopping ...", flush=True)
+        log.info("[serve] stopping ...")
         sup.stop()
-        print("[serve] stopped", flush=True)
+        log.info("[serve] stopped")
     return code
