@@ -4,7 +4,7 @@ is in the table with that status, and the table names nothing the code does not 
 The frontend's own refusals are read from its source (every `ApiError(status, message, code)`);
 the image errors from their classes (413 for ImageTooLarge, 400 for the others, as
 `frontend.request._image_error` maps them); a worker's error by whose fault it is (client: 400;
-ours: 503 for the codes in `frontend.app.UNAVAILABLE`, else 500)."""
+ours: 503 for the codes in `frontend.journey.UNAVAILABLE`, else 500)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import mmhandoff.frontend.app as app
+import mmhandoff.frontend.journey as journey
 import mmhandoff.frontend.request as request
 from mmhandoff.media import fetch, images
 
@@ -40,7 +41,7 @@ def _table() -> dict[str, set[int]]:
 
 def _raised_by_the_frontend() -> set[tuple[int, str]]:
     found = set()
-    for module in (app, request):
+    for module in (app, journey, request):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ApiError"
                     and isinstance(node.args[0], ast.Constant)
@@ -65,13 +66,13 @@ def test_every_refusal_at_the_edge_is_in_the_table_with_its_status():
 
 def test_the_tables_server_errors_are_what_the_frontend_maps_them_to():
     table = _table()
-    for code in app.UNAVAILABLE:
+    for code in journey.UNAVAILABLE:
         assert table.get(code) == {503}, code
     from mmhandoff.plane.runtime import RemoteError
     for code, statuses in table.items():
         if 500 in statuses or 503 in statuses:
-            assert {app.api_error(RemoteError(code, "x")).status} == statuses, code
-    assert app.api_error(RemoteError("invalid_request", "x", fault="client")).status == 400
+            assert {journey.api_error(RemoteError(code, "x")).status} == statuses, code
+    assert journey.api_error(RemoteError("invalid_request", "x", fault="client")).status == 400
 
 
 def test_a_request_over_the_planes_limit_is_the_clients_413(loop):
@@ -90,7 +91,7 @@ def test_a_request_over_the_planes_limit_is_the_clients_413(loop):
     with pytest.raises(RemoteError) as e:
         loop.run(first())
     assert (e.value.code, e.value.fault) == ("request_too_large", "client")
-    assert app.api_error(e.value).status == 413
+    assert journey.api_error(e.value).status == 413
     assert _table()["request_too_large"] == {413}
 
 

@@ -348,7 +348,7 @@ def test_a_handoff_whose_client_left_after_the_first_token_still_reaches_decode(
     request = PrefillRequest(request_id="r", prompt="Hi")
 
     async def leave_after_first():
-        chunks = frontend._decode(request)
+        chunks = frontend.journey.attempt(request)
         got, _, from_decode = await anext(chunks)
         await chunks.aclose()
         for _ in range(100):  # the hand-over runs in the background

@@ -10,8 +10,8 @@ Endpoints: POST /v1/chat/completions and /v1/completions (streaming with SSE, or
 `{"error": {"message", "type", "code"}}` (mmhandoff.frontend.request), and nothing is started
 for it. When decode fails closed (its KV did not cover the images) or a worker is lost before
 decode streamed anything, the request goes through prefill again, at most `retries` times; when
-the decode replica streaming an answer is lost, the answer migrates to another one (`_answer`);
-either way it continues from the tokens already sent.
+the decode replica streaming an answer is lost, the answer migrates to another one; either way
+it continues from the tokens already sent (the request's journey: frontend.journey).
 What still fails is a 503 naming the stage, or, once a stream started, an error event and no
 `[DONE]` (docs/reliability.md).
 
@@ -31,8 +31,6 @@ import asyncio
 import logging
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import AsyncIterator
 
 import msgspec
 from aiohttp import web
@@ -40,7 +38,8 @@ from aiohttp import web
 from mmhandoff import logs
 from mmhandoff.frontend import logprobs as oai_logprobs
 from mmhandoff.frontend.metrics import FrontendMetrics
-from mmhandoff.frontend.placement import PrefillPlacement, image_keys
+from mmhandoff.frontend.journey import STALL_S, Journey, Piece, usage
+from mmhandoff.frontend.placement import PrefillPlacement
 from mmhandoff.frontend.request import (
     ApiError,
     FrontendLimits,
@@ -51,18 +50,7 @@ from mmhandoff.frontend.request import (
     stream_options,
 )
 from mmhandoff.media.fetch import FetchPolicy
-from mmhandoff.plane.runtime import RemoteError, background, call, call_one
-from mmhandoff.wire.messages import (
-    Alive,
-    AnswerStats,
-    DecodeChunk,
-    DecodeStats,
-    PrefillAnswer,
-    PrefillRequest,
-    PrefillStats,
-    PromptLogprobs,
-    TokenLogprob,
-)
+from mmhandoff.wire.messages import Alive, PromptLogprobs, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -71,37 +59,9 @@ __all__ = ["Frontend", "FrontendLimits", "ApiError"]
 DRAIN_S = 30.0
 
 
-# Failures of ours that a client may retry later (503); any other fault of ours is a 500.
-# "expired": the handoff reached decode after prefill's lease could have freed its blocks.
-UNAVAILABLE = frozenset({"kv_coverage", "prefill_failed", "decode_failed", "expired"})
-# The same failures are retried through prefill (nothing sent yet) or migrated (tokens sent):
-# decode failed closed, or a worker was lost (died, or silent for `stall_s`).
-RETRIED = UNAVAILABLE
-STALL_S = 120.0  # the longest a worker may stay silent before its request counts as lost
 # Who samples the answer's first token: prefill (streamed as soon as prefill answers; decode
 # continues after it) or decode (the older contract: after the handoff, the KV pull and a step).
 FIRST_TOKEN_FROM = ("prefill", "decode")
-
-
-@dataclass
-class Piece:
-    """One streamed piece of an answer: its usage so far (where prefill said the prompt's
-    length); the last one has `finish`, the final `usage` and `stats`."""
-
-    text: str
-    finish: str | None = None
-    usage: dict | None = None
-    stats: AnswerStats | None = None
-    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
-    index: int = 0  # which of the request's `n` answers
-    prompt_logprobs: PromptLogprobs | None = None  # an answer's first piece (echo + logprobs)
-
-
-def api_error(e: RemoteError) -> ApiError:
-    """A component's typed error as the client sees it: its fault decides 4xx or 5xx."""
-    if e.fault == "client":
-        return ApiError(413 if e.code == "request_too_large" else 400, e.message, e.code)
-    return ApiError(503 if e.code in UNAVAILABLE else 500, e.message, e.code, "server_error")
 
 
 class Frontend:
@@ -112,15 +72,15 @@ class Frontend:
                  ) -> None:
         # Dynamo clients. prefill=None: `decode` takes the request itself (the agg worker).
         self.prefill, self.decode = prefill, decode
-        # a graph with a router: it picks the prefill replica, and `decode` is the router
-        self.placement = placement
         if first_token_from not in FIRST_TOKEN_FROM:
             raise ValueError(f"first_token_from: expected one of {FIRST_TOKEN_FROM}")
         self.first_token_from = first_token_from
-        self.model, self.limits, self.stall_s = model, limits, stall_s
-        self.retries, self.migration_limit = retries, migration_limit
+        self.model, self.limits = model, limits
         self.reader = RequestReader(model, limits, fetch_policy)
         self.metrics = FrontendMetrics()
+        self.journey = Journey(prefill, decode, self.metrics, retries=retries,
+                               migration_limit=migration_limit, stall_s=stall_s,
+                               placement=placement)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.limits.max_body_bytes,
@@ -206,7 +166,7 @@ class Frontend:
         shown = prefill_request.prompt if echo else ""  # each answer's text starts with it
         self.metrics.in_flight.inc()
         try:
-            async with aclosing(self._choices(requests, t0)) as pieces:
+            async with aclosing(self.journey.answers(requests, t0)) as pieces:
                 if options.stream:
                     return await self._stream(request, api, prefill_request.request_id, pieces,
                                               options, reply_id, shown)
@@ -278,202 +238,6 @@ class Frontend:
         await response.write_eof()
         return response
 
-    async def _choices(self, requests: list, t0: float) -> AsyncIterator[Piece]:
-        """The pieces of the request's answers (`n` > 1: one request each, answered side by
-        side, each piece tagged with its answer's index), as they come. One that fails ends
-        them all with its error."""
-        if len(requests) == 1:
-            async with aclosing(self._answer(requests[0], t0)) as pieces:
-                async for piece in pieces:
-                    yield piece
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def answer(i: int, one) -> None:
-            try:
-                async with aclosing(self._answer(one, t0)) as pieces:
-                    async for piece in pieces:
-                        piece.index = i
-                        await queue.put(piece)
-                await queue.put(i)  # this answer is whole
-            except Exception as e:
-                await queue.put(e)
-
-        tasks = [asyncio.ensure_future(answer(i, one)) for i, one in enumerate(requests)]
-        try:
-            whole = 0
-            while whole < len(tasks):
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                if isinstance(item, int):
-                    whole += 1
-                else:
-                    yield item
-        finally:  # an error, or the client gone: the other answers stop (their requests abort)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _answer(self, prefill_request, t0: float) -> AsyncIterator[Piece]:
-        """The answer's pieces: prefill's first token as soon as prefill answers, then decode's.
-        When a worker fails (RETRIED: decode failed closed, a worker was lost), the request goes
-        through prefill again, continuing from the tokens already sent (`continuation`: the
-        client never gets a token twice or a different one): a retry (`retries` times at most)
-        when the failed attempt's decode had streamed nothing, a migration (`migration_limit`
-        times at most) when a decode replica was lost mid-answer. Past those bounds the answer
-        ends with the error, never as a silent, short answer."""
-        request, generated, retries, migrations, last_t = prefill_request, [], 0, 0, None
-        first_token_at = 0.0
-        while True:
-            decoded = False  # this attempt's decode streamed a chunk
-            try:
-                async with aclosing(self._decode(request)) as chunks:
-                    async for chunk, prefill_stats, from_decode in chunks:
-                        decoded = decoded or from_decode
-                        now = time.perf_counter()
-                        if last_t is None:
-                            self.metrics.ttft.observe(now - t0)
-                        else:
-                            self.metrics.itl.observe(now - last_t)
-                        last_t = now
-                        # the prompt's logprobs go with the answer's first piece only
-                        piece = Piece(chunk.text, chunk.finish_reason, logprobs=chunk.logprobs,
-                                      prompt_logprobs=None if generated
-                                      else chunk.prompt_logprobs)
-                        generated += chunk.token_ids
-                        # the client's prompt: prefill's, less a migration's tokens
-                        prompt = (prefill_stats.prompt_tokens if prefill_stats is not None
-                                  else chunk.stats.prompt_tokens if chunk.stats is not None
-                                  else None)
-                        if prompt is not None:  # the usage so far (continuous_usage_stats)
-                            piece.usage = _usage(prompt - len(request.continuation),
-                                                 len(generated))
-                        if piece.finish:
-                            stats = chunk.stats or DecodeStats(request_bytes=-1, prepare_ms=-1)
-                            self.metrics.record_decode(stats)
-                            if piece.usage is not None:
-                                self.metrics.prompt_tokens.inc(piece.usage["prompt_tokens"])
-                            self.metrics.completion_tokens.inc(len(generated))
-                            piece.stats = AnswerStats(
-                                **msgspec.structs.asdict(stats), prefill=prefill_stats,
-                                retries=retries, migrations=migrations,
-                                first_token_at=first_token_at)
-                        yield piece
-                        if not first_token_at:  # the caller has delivered the first token
-                            first_token_at = time.time()
-                return
-            except RemoteError as e:
-                left = prefill_request.sampling.max_tokens - len(generated)
-                if e.code not in RETRIED or left <= 0:
-                    raise api_error(e) from None
-                if not decoded and retries < self.retries:
-                    retries += 1
-                    self.metrics.retries.inc()
-                elif decoded and prefill_request.sampling.structured is not None:
-                    raise api_error(e) from None  # its grammar cannot go on from sent tokens
-                elif decoded and migrations < self.migration_limit:
-                    migrations += 1
-                    self.metrics.migrations.inc()
-                else:
-                    raise api_error(e) from None
-                # a bypassed handoff whose blocks were evicted fails closed: prefill this time
-                request = msgspec.structs.replace(request, allow_bypass=False)
-                if generated:
-                    sampling = prefill_request.sampling
-                    request = msgspec.structs.replace(
-                        prefill_request, continuation=list(generated), allow_bypass=False,
-                        sampling=msgspec.structs.replace(
-                            sampling, max_tokens=left,
-                            min_tokens=max(sampling.min_tokens - len(generated), 0)))
-
-    async def _decode(self, prefill_request
-                      ) -> AsyncIterator[tuple[DecodeChunk, PrefillStats | None, bool]]:
-        """The answer's chunks, decoded strictly, each with prefill's statistics (None in the agg
-        graph, where the one worker takes the request itself) and whether decode streamed it
-        (False: prefill's first token)."""
-        prefill_request, instance = await self._placed(prefill_request)
-        request, prefill_stats, answer = msgspec.to_builtins(prefill_request), None, None
-        if self.prefill is not None:
-            prefilled = asyncio.ensure_future(call_one(
-                self.prefill, request, instance, lost="prefill_failed", stall_s=self.stall_s))
-            try:
-                raw = await asyncio.shield(prefilled)
-            except asyncio.CancelledError:  # the client left while prefill ran
-                background(self._release(prefilled))
-                raise
-            answer = _prefill_answer(raw)
-            prefill_stats = answer.stats
-        handed = False  # the handoff reached decode, which frees prefill's blocks in any case
-        try:
-            if answer is not None:
-                first = answer.first
-                if first is not None:
-                    yield (DecodeChunk(request_id=prefill_request.request_id,
-                                       token_ids=[first.token_id], text=first.text,
-                                       finish_reason=first.finish_reason,
-                                       logprobs=None if first.logprob is None
-                                       else [first.logprob],
-                                       prompt_logprobs=answer.prompt_logprobs),
-                           prefill_stats, False)
-                    if first.finish_reason is not None:  # the answer ended at prefill
-                        return
-                request = answer.for_decode()
-            finished, first_chunk = False, True
-            async with aclosing(call(self.decode, request, lost="decode_failed",
-                                     stall_s=self.stall_s)) as chunks:
-                handed = True  # from here decode has it, or failed to get it (the lease frees)
-                async for raw_chunk in chunks:
-                    chunk = _decode_chunk(raw_chunk)
-                    if first_chunk and answer is not None and answer.first is None:
-                        # decode sampled the first token: the prompt's logprobs are prefill's
-                        chunk.prompt_logprobs = answer.prompt_logprobs
-                    first_chunk = False
-                    finished = chunk.finish_reason is not None
-                    yield chunk, prefill_stats, True
-            if not finished:  # the stream closed cleanly but the answer did not end: lost
-                raise RemoteError("decode_failed", "decode's stream ended before the answer did")
-        finally:
-            if not handed and answer is not None and answer.needs_decode():
-                # the client left after the first token, before decode had the handoff
-                background(self._hand_over(answer))
-
-    async def _placed(self, prefill_request) -> tuple[PrefillRequest, int | None]:
-        """In a graph with a router: the request with its image keys, and the prefill instance
-        the router chose for it (None: round robin). A retry or a migration (no bypass) goes
-        round robin: the placed replica may be the one that failed."""
-        if self.placement is None:
-            return prefill_request, None
-        keys = image_keys(prefill_request)
-        prefill_request = msgspec.structs.replace(prefill_request, image_keys=keys)
-        if not prefill_request.allow_bypass or not self.placement.asks(keys):
-            return prefill_request, None
-        t0 = time.perf_counter()
-        instance = await self.placement.instance(prefill_request, keys)
-        self.metrics.placement.observe(time.perf_counter() - t0)
-        return prefill_request, instance
-
-    async def _release(self, prefilled: asyncio.Future) -> None:
-        """Prefill, once done, holds the blocks for decode until they are pulled or its lease
-        ends. For a request whose client is gone, hand them to decode and stop after the first
-        chunk: the pull (or, if decode aborts first, vLLM's notice to the producer) frees them
-        now instead of at the end of the lease."""
-        try:
-            answer = _prefill_answer(await prefilled)
-        except Exception as e:  # nothing to answer to: the lease frees the blocks in the end
-            log.warning(f"[frontend] releasing an abandoned handoff failed: {e!r}")
-            return
-        if answer.needs_decode():
-            await self._hand_over(answer)
-
-    async def _hand_over(self, answer: PrefillAnswer) -> None:
-        """An abandoned answer's handoff to decode, which stops after its first chunk."""
-        try:
-            async with aclosing(call(self.decode, answer.for_decode())) as chunks:
-                async for _ in chunks:
-                    break
-        except Exception as e:  # nothing to answer to: the lease frees the blocks in the end
-            log.warning(f"[frontend] releasing an abandoned handoff failed: {e!r}")
 
 
 def _internal(request, e: Exception) -> ApiError:
@@ -482,28 +246,7 @@ def _internal(request, e: Exception) -> ApiError:
     return ApiError(500, f"internal error: {type(e).__name__}", "internal", "server_error")
 
 
-def _from_peer(raw, kind: type, what: str):
-    """A message from another of our components, decoded strictly: malformed is our fault."""
-    try:
-        return msgspec.convert(raw, kind)
-    except msgspec.ValidationError as e:
-        raise RemoteError("internal", f"{what} malformed: {e}") from None
-
-
-def _prefill_answer(raw) -> PrefillAnswer:
-    return _from_peer(raw, PrefillAnswer, "prefill answered a message")
-
-
-def _decode_chunk(raw) -> DecodeChunk:
-    return _from_peer(raw, DecodeChunk, "decode streamed a chunk")
-
-
 # ---- OpenAI response shapes ------------------------------------------------------------------
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
-
 def _nth(request, i: int):
     """The i-th of `n` answers to one prompt, as vLLM's parallel sampling makes it: its own
     request, seeded with seed + i."""
@@ -517,7 +260,7 @@ def _total(usages: list[dict | None]) -> dict | None:
     """The usage of `n` answers to one prompt: the prompt once, every answer's tokens."""
     if not usages or any(u is None for u in usages):
         return None
-    return _usage(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages))
+    return usage(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages))
 
 
 def _whole(api: str, request_id: str, model: str, texts: list[str], lasts: list[Piece],
