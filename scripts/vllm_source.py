@@ -100,7 +100,7 @@ GUARDING_ERRORS = {"ImportError", "ModuleNotFoundError", "AttributeError", "Exce
 
 
 def cache_dir() -> Path:
-    """As mmhandoff.models.tiny.cache_root (not imported: this runs before the package is)."""
+    """As mmhandoff.cache.cache_root (not imported: this runs before the package is)."""
     return Path(os.environ.get("MMHANDOFF_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
         "mmhandoff")) / "vllm-src"

@@ -86,6 +86,46 @@ def test_no_component_imports_another():
     assert not found, sorted(found)
 
 
+def _imports() -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, at any depth (a lazy import inside a
+    function is an import too: it only moves the cycle to run time)."""
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges = {m: set() for m in mods}
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                edges[m] |= {n for n in (node.module, *(f"{node.module}.{a.name}"
+                                                      for a in node.names)) if n in mods}
+            elif isinstance(node, ast.Import):
+                edges[m] |= {a.name for a in node.names if a.name in mods}
+        edges[m].discard(m)
+    return edges
+
+
+@pytest.mark.unit
+def test_no_module_imports_itself_round_a_cycle():
+    """Issue 34: two cycles had grown (the tiny models' builders; the engine's maker and the
+    engine). Each module's imports, followed, never lead back to it."""
+    edges = _imports()
+    assert {"mmhandoff.vllm_adapter.vllm_engine", "mmhandoff.engine"} <= edges[
+        "mmhandoff.vllm_adapter.engine"] | edges["mmhandoff.vllm_adapter.vllm_engine"]
+    cycles = []
+    for start in edges:  # a depth-first walk from each module: the package is small
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in edges[node]:
+                if nxt == start:
+                    cycles.append(path)
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, (*path, nxt)))
+    assert not cycles, cycles[:3]
+
+
 def _load(cwd: Path, target: str) -> list[str]:
     code = ("import json, sys; from mmhandoff.serve.supervisor import load_graph, GraphError\n"
             "try: print(json.dumps([c.module for c in load_graph(sys.argv[1])]))\n"

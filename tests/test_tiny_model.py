@@ -1,6 +1,7 @@
 import pytest
 
-from mmhandoff.models.tiny import IMAGE_TOKENS, build_tiny_model, tree_digest
+from mmhandoff.models.build import tree_digest
+from mmhandoff.models.tiny import IMAGE_TOKENS, build_tiny_model
 
 pytestmark = pytest.mark.unit
 

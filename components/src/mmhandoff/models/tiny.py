@@ -13,20 +13,20 @@ Qwen2-VL-layout model (mmhandoff.models.tiny_qwen2_vl).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from mmhandoff.cache import cache_root
+from mmhandoff.models.build import SEED, VOCAB_SIZE, drop_volatile_fields, train_bpe
+
 # Bump when anything below changes: the cache folder is keyed by it.
 BUILD_VERSION = "1"
 IMAGE_SIZE = 112
 PATCH_SIZE = 14
 IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
-VOCAB_SIZE = 512
-SEED = 1234
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -40,21 +40,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 
-_CORPUS = [
-    "USER: <image>\nWhat is shown in this image? ASSISTANT: A picture of a cat on a red sofa.",
-    "SYSTEM: You are a helpful assistant that describes pictures briefly and precisely.",
-    "Describe the colours, the shapes and the objects. Compare the two images. Count the dots.",
-    "The quick brown fox jumps over the lazy dog. 0123456789 !?.,;:'\"()[]{}<>/\\-_+=*&^%$#@~`|",
-]
-
 
 ARCHES = ("llava", "qwen2_vl")
-
-
-def cache_root() -> Path:
-    """mmhandoff's cache folder: $MMHANDOFF_CACHE, else ~/.cache/mmhandoff."""
-    return Path(os.environ.get("MMHANDOFF_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mmhandoff"))
 
 
 def default_cache_dir(arch: str = "llava") -> Path:
@@ -159,7 +146,7 @@ def build_tiny_model(out: Path) -> None:
         open(out / "processor_config.json", "w"), indent=2, sort_keys=True,
     )
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    _drop_volatile_fields(out)
+    drop_volatile_fields(out)
 
 
 def _legacy_key(key: str) -> str:
@@ -185,36 +172,3 @@ def _build_tokenizer():
     )
 
 
-def train_bpe(specials: list[str], unk: str | None = None):
-    """A byte-level BPE tokenizer of VOCAB_SIZE trained on the fixed corpus (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    bpe = Tokenizer(models.BPE(unk_token=unk))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=specials, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    return bpe
-
-
-def _drop_volatile_fields(out: Path, names: tuple[str, ...] = (
-        "config.json", "tokenizer_config.json", "preprocessor_config.json")) -> None:
-    """Remove the library version stamps so the files depend only on this module."""
-    for name in names:
-        path = out / name
-        if path.exists():
-            data = json.loads(path.read_text())
-            data.pop("transformers_version", None)
-            path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def tree_digest(folder: str | os.PathLike) -> str:
-    """sha256 over every file's relative name and bytes: equal digests mean identical builds."""
-    h = hashlib.sha256()
-    for p in sorted(Path(folder).rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(folder)).encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmhandoff.models.tiny import SEED, VOCAB_SIZE, _drop_volatile_fields, train_bpe
+from mmhandoff.models.build import SEED, VOCAB_SIZE, drop_volatile_fields, train_bpe
 
 # Bump when anything below changes: the cache folder is keyed by it.
 BUILD_VERSION = "1"
@@ -91,5 +91,5 @@ def build_tiny_qwen2_vl(out: Path) -> None:
         tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)
-    _drop_volatile_fields(out, ("config.json", "tokenizer_config.json", "generation_config.json",
+    drop_volatile_fields(out, ("config.json", "tokenizer_config.json", "generation_config.json",
                                 "processor_config.json"))

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     if args.command == "make-tiny-model":
-        from mmhandoff.models.tiny import ensure_tiny_model, tree_digest
+        from mmhandoff.models.build import tree_digest
+        from mmhandoff.models.tiny import ensure_tiny_model
 
         path = ensure_tiny_model(args.dir, arch=args.arch)
         print(f"{path}  sha256:{tree_digest(path)[:16]}")

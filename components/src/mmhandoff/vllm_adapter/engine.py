@@ -186,7 +186,7 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     # Kernels vLLM compiles with torch.compile even in eager mode (its CPU sampler: 15 s on 2
     # cores, VllmEngine.warm_up) are kept across runs in mmhandoff's cache, not in the temp dir
     # (importing vLLM points torch there), which serve makes per run.
-    from mmhandoff.models.tiny import cache_root
+    from mmhandoff.cache import cache_root
 
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "torchinductor")
     if on_cpu():
@@ -265,6 +265,7 @@ def start_llm(spec: EngineSpec, load=None, ipc_dir: str | None = None):
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from mmhandoff.vllm_adapter.engine_core import core_processes
     from mmhandoff.vllm_adapter.reaping import serialize_reaping
 
     loggers = [load.logger_factory()] if load is not None else None
@@ -276,26 +277,5 @@ def start_llm(spec: EngineSpec, load=None, ipc_dir: str | None = None):
         # serve` on an H100: 8192 and 1024): at 32 in flight, 0.78x its throughput (docs/gpu.md)
         llm = AsyncLLM.from_engine_args(engine_args(spec), stat_loggers=loggers,
                                         usage_context=UsageContext.OPENAI_API_SERVER)
-    serialize_reaping(_core_processes(llm))
+    serialize_reaping(core_processes(llm))
     return llm
-
-
-def engine_core_pids(engine) -> list[int]:
-    """The process ids of an AsyncLLM's engine cores (each core's model workers are its
-    children): for measuring an engine's CPU and checking its placement."""
-    return [p.pid for p in _core_processes(engine)]
-
-
-def _core_processes(engine) -> list:
-    return engine.engine_core.resources.engine_manager.processes
-
-
-def engine_dead_cause(engine) -> str | None:
-    """Why an AsyncLLM can no longer serve (its core process died, its output loop failed), or
-    None while it can. A flag vLLM's own monitor thread keeps: free to read."""
-    if not engine.errored:
-        return None
-    task = engine.output_handler
-    if task is not None and task.done() and not task.cancelled() and task.exception():
-        return f"{type(task.exception()).__name__}: {task.exception()}"
-    return "engine core process is gone"

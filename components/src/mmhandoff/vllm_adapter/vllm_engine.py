@@ -251,13 +251,13 @@ class VllmEngine:
         await self.llm.abort(request_id)
 
     def dead_cause(self) -> str | None:
-        from mmhandoff.vllm_adapter.engine import engine_dead_cause
+        from mmhandoff.vllm_adapter.engine_core import engine_dead_cause
 
         return engine_dead_cause(self.llm)
 
     def core_pids(self) -> list[int]:
         """The engine core processes (each one's model workers are its children)."""
-        from mmhandoff.vllm_adapter.engine import engine_core_pids
+        from mmhandoff.vllm_adapter.engine_core import engine_core_pids
 
         return engine_core_pids(self.llm)
 
