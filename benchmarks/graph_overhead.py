@@ -245,7 +245,7 @@ async def main(args) -> None:
 
     run_dir = Path(tempfile.mkdtemp(prefix="mmhandoff-bench-"))
     # Both arms stay up and take turns: with the engines' spin plugin
-    # (components/src/mmhandoff/vllm_adapter/spin.py) the idle arm uses a few percent of a core (printed).
+    # (components/src/mmhandoff/vllm_adapter/plugins/spin.py) the idle arm uses a few percent of a core (printed).
     print("in-process arm: starting the engines", flush=True)
     local = InProcess(args)  # on this loop: AsyncLLM binds its output handler to it
     print(f"graph arm: starting the graph (log: {run_dir}/graph.log)", flush=True)

@@ -5,7 +5,7 @@ Loaded by a decode engine through `kv_connector_module_path`. A request whose id
 failed, exactly as NIXL reports a transfer error, so vLLM's failure path runs for real.
 """
 
-from mmhandoff.vllm_adapter.connector import MMHandoffNixlConnector
+from mmhandoff.vllm_adapter.core.connector import MMHandoffNixlConnector
 
 MARK = "inject-load-failure"
 

@@ -24,7 +24,7 @@ before = bool(mask.value & XTILEDATA)
 import torch
 amx = torch.cpu._is_amx_tile_supported()
 if sys.argv[1] == "plugin":
-    from mmhandoff.vllm_adapter import amx as plugin
+    from mmhandoff.vllm_adapter.plugins import amx as plugin
     plugin.install()
 libc.syscall(158, 0x1022, ctypes.byref(mask))
 print(amx, before, bool(mask.value & XTILEDATA))
@@ -51,4 +51,4 @@ def test_the_plugin_is_registered_with_vllm():
     from importlib.metadata import entry_points
 
     plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert plugins.get("mmhandoff_amx") == "mmhandoff.vllm_adapter.amx:install"
+    assert plugins.get("mmhandoff_amx") == "mmhandoff.vllm_adapter.plugins.amx:install"

@@ -114,7 +114,7 @@ def test_the_kv_schedulers_follow_vllms_async_scheduling(async_scheduling):
 
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from mmhandoff.vllm_adapter import scheduler
+    from mmhandoff.vllm_adapter.core import scheduler
 
     config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
     for cls in (scheduler.FailClosedScheduler, scheduler.KvStatsScheduler):

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = r"""
 import atexit, gc, os, signal, sys, threading, weakref
 from vllm.distributed.device_communicators.shm_broadcast import ShmRingBuffer
-from mmhandoff.vllm_adapter.fast_exit import final_teardown
+from mmhandoff.vllm_adapter.plugins.fast_exit import final_teardown
 
 class Proc:
     def __init__(self):
@@ -73,7 +73,7 @@ def test_teardown_skips_collection_unlinks_its_rings_and_ends_the_process():
 
 
 def test_setting(monkeypatch):
-    from mmhandoff.vllm_adapter import fast_exit
+    from mmhandoff.vllm_adapter.plugins import fast_exit
 
     monkeypatch.delenv(fast_exit.ENV, raising=False)
     assert fast_exit.enabled()
@@ -95,7 +95,7 @@ stuck_in_its_teardown()
 
 
 def test_an_engine_core_is_made_to_dump_its_stacks_before_vllm_kills_it():
-    from mmhandoff.vllm_adapter import fast_exit
+    from mmhandoff.vllm_adapter.plugins import fast_exit
 
     stuck = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)

@@ -207,7 +207,7 @@ def test_installed_serve_runs_a_users_graph_beside_their_own_components_package(
         assert answer["choices"][0]["finish_reason"] in ("length", "stop")
         assert answer["usage"]["completion_tokens"] >= 1
         # decode's engine process imported the fail-closed scheduler by its dotted path
-        assert any("mmhandoff.vllm_adapter.scheduler.FailClosedScheduler" in line
+        assert any("mmhandoff.vllm_adapter.core.scheduler.FailClosedScheduler" in line
                    for line in graph.log), graph.tail()
         assert not any("user's own components package" in line for line in graph.log)
     graph.stop()

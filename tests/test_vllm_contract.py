@@ -84,7 +84,7 @@ def test_nixl_agent_config_hook():
 
     from vllm.distributed.nixl_utils import NixlWrapper
 
-    from mmhandoff.vllm_adapter.connector import progress_delay
+    from mmhandoff.vllm_adapter.core.connector import progress_delay
 
     api = sys.modules[NixlWrapper.__module__]
     src = inspect.getsource(api.nixl_agent.__init__)
@@ -201,7 +201,7 @@ class _Core:
 
 
 def test_held_kv_paces_only_an_engine_whose_work_is_held_blocks():
-    from mmhandoff.vllm_adapter.held_kv import only_held_blocks
+    from mmhandoff.vllm_adapter.plugins.held_kv import only_held_blocks
 
     assert only_held_blocks(_Core(unfinished=False, held=True))
     assert not only_held_blocks(_Core(unfinished=True, held=True))  # e.g. waiting for its pull
@@ -212,7 +212,7 @@ def test_held_kv_wait_ends_when_a_request_arrives():
     import threading
     import time
 
-    from mmhandoff.vllm_adapter.held_kv import wait_for_input
+    from mmhandoff.vllm_adapter.plugins.held_kv import wait_for_input
 
     core = _Core(unfinished=False, held=True)
     t0 = time.monotonic()

@@ -155,7 +155,7 @@ def run(role: str, spec_role: str | Callable, endpoint: str,
     from mmhandoff.plane.runtime import run as run_loop
 
     logs.setup()
-    from mmhandoff.vllm_adapter import fast_exit
+    from mmhandoff.vllm_adapter.plugins import fast_exit
 
     code = run_loop(_serve(args, spec_role, endpoint, make_worker, errors))
     if fast_exit.enabled():

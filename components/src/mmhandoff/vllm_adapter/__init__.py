@@ -1,14 +1,15 @@
 """Everything that touches vLLM lives here; a vLLM upgrade should touch only this package.
+Laid out by the process the code runs in:
 
-- engine: EngineSpec and start_engine (engine arguments per role, NIXL settings, environment)
-- vllm_engine: VllmEngine, the mmhandoff.engine.Engine interface on vLLM's AsyncLLM
-- inputs: prompt rendering, the metadata-only decode request, output helpers (for VllmEngine)
-- load: EngineLoad (an engine's KV usage and queue lengths, from its stat stream)
-- scheduler: FailClosedScheduler (loaded by the decode engine through `scheduler_cls`)
-- spin, held_kv: vLLM plugins (entry point `vllm.general_plugins`, run in vLLM's own processes)
-  that keep idle engine processes off the CPU
-- fast_exit: a vLLM plugin that lets an engine's processes end by themselves in under a second
-- amx: a vLLM plugin that asks the kernel for the AMX state vLLM's CPU attention needs
+- here, the worker's own process (where vLLM's AsyncLLM lives): engine (EngineSpec and
+  start_engine: engine arguments per role, NIXL settings, environment), vllm_engine (VllmEngine,
+  the mmhandoff.engine.Engine interface on AsyncLLM), inputs (prompt rendering, the
+  metadata-only decode request, output helpers), load (EngineLoad, from the engine's stat
+  stream), engine_core and reaping (the engine's core processes), kv_events (the engine's KV
+  events), block_hashes (also in the router's process), positions, logprobs, continued_text;
+- core/: what vLLM loads by dotted path into its engine core: the fail-closed scheduler
+  (`scheduler_cls`) and the NIXL connector;
+- plugins/: vLLM general plugins, loaded in every vLLM process (spin, held_kv, fast_exit, amx).
 """
 
 from mmhandoff.vllm_adapter.engine import EngineSpec, start_engine

@@ -26,9 +26,9 @@ Role = Literal["agg", "prefill", "decode", "full_media_decode"]
 ROLES: tuple[Role, ...] = ("agg", "prefill", "decode", "full_media_decode")
 KV_READERS: tuple[Role, ...] = ("decode", "full_media_decode")  # they pull KV with NIXL READ
 
-FAIL_CLOSED_SCHEDULER = "mmhandoff.vllm_adapter.scheduler.FailClosedScheduler"
-KV_STATS_SCHEDULER = "mmhandoff.vllm_adapter.scheduler.KvStatsScheduler"
-CONNECTOR = "mmhandoff.vllm_adapter.connector.MMHandoffNixlConnector"
+FAIL_CLOSED_SCHEDULER = "mmhandoff.vllm_adapter.core.scheduler.FailClosedScheduler"
+KV_STATS_SCHEDULER = "mmhandoff.vllm_adapter.core.scheduler.KvStatsScheduler"
+CONNECTOR = "mmhandoff.vllm_adapter.core.connector.MMHandoffNixlConnector"
 
 
 # What an EngineSpec field left at None becomes, per platform; a GPU takes vLLM's own default

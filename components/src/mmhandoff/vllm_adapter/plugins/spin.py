@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 
-from mmhandoff.vllm_adapter.plugin_setting import number_or_default
+from mmhandoff.vllm_adapter.plugins.plugin_setting import number_or_default
 
 ENV = "MMHANDOFF_SHM_SPIN_S"
 RECHECK_MS = 1  # the longest a lost notification can delay a reader

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import queue
 
-from mmhandoff.vllm_adapter.plugin_setting import number_or_default
+from mmhandoff.vllm_adapter.plugins.plugin_setting import number_or_default
 
 ENV = "MMHANDOFF_HELD_KV_POLL_MS"
 
