@@ -121,3 +121,20 @@ def test_the_kv_schedulers_follow_vllms_async_scheduling(async_scheduling):
         made = cls.__new__(cls, vllm_config=config)
         assert isinstance(made, cls)  # so Python runs its __init__
         assert isinstance(made, AsyncScheduler) == async_scheduling
+
+
+@pytest.mark.parametrize("config, media", [
+    ({"model_type": "llava"}, {"image": 0}),
+    ({"model_type": "qwen2_vl"}, {"image": 0, "video": 0}),
+    ({"model_type": "qwen2_5_vl"}, {"image": 0, "video": 0}),
+    ({"model_type": "unknown", "video_token_id": 5}, {"image": 0, "video": 0}),
+    ({"model_type": "unknown"}, {"image": 0}),
+])
+def test_decode_disables_every_medium_of_its_models_family(tmp_path, config, media):
+    """vllm_adapter.families: each family's media at 0 on decode, so vLLM builds no vision
+    tower; a model of no known family by its config's video token."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = EngineSpec(model=str(tmp_path), role="decode")
+    assert engine_mod.engine_args(spec).limit_mm_per_prompt == media

@@ -166,18 +166,26 @@ def platform_settings(spec: EngineSpec, platform: str) -> dict[str, Any]:
 
 
 def _no_vision_tower(model: str) -> dict[str, Any]:
-    """Engine arguments under which vLLM builds none of the model's vision encoders: no image
-    input, and no video input for a model that takes video (Qwen2-VL's tower serves both: with
-    images alone at 0 vLLM still built it). Other models keep the image limit alone, as the
-    decode engine was always started (a video limit for LLaVA is taken, but two clean-clone CI
-    runs with a changed LLaVA decode configuration failed a kill test's clean-stop check)."""
+    """Engine arguments under which vLLM builds none of the model's vision encoders: each medium
+    its family takes at 0 (vllm_adapter.families; Qwen2-VL's tower serves images and video: with
+    images alone at 0 vLLM still built it). A model of no known family: images, and video if its
+    config names a video token. LLaVA keeps the image limit alone, as its decode engine was
+    always started (a video limit for LLaVA is taken, but two clean-clone CI runs with a changed
+    LLaVA decode configuration failed a kill test's clean-stop check)."""
     import json
     from pathlib import Path
 
-    config = Path(model) / "config.json"
-    takes_video = config.is_file() and any(
-        k in json.loads(config.read_text()) for k in ("video_token_id", "video_token_index"))
-    return {"limit_mm_per_prompt": {"image": 0, "video": 0} if takes_video else {"image": 0}}
+    from mmhandoff.vllm_adapter.families import family
+
+    path = Path(model) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    known = family(config.get("model_type"))
+    if known is not None:
+        media = known.media
+    else:
+        takes_video = any(k in config for k in ("video_token_id", "video_token_index"))
+        media = ("image", "video") if takes_video else ("image",)
+    return {"limit_mm_per_prompt": dict.fromkeys(media, 0)}
 
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:

@@ -18,18 +18,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Sequence
 
+from mmhandoff.vllm_adapter.families import family
 from mmhandoff.wire.handoff import Grid
 
-# Models whose M-RoPE positions need nothing of an image but its grid (vLLM 0.31's
-# `iter_mm_grid_thw` for images); other M-RoPE models are refused by the decode worker.
-GRID_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 GRID_KEY = "image_grid_thw"
 
 
 def grid_merge(model_config) -> int | None:
     """Rows (and columns) of patches merged into one token, for a model whose positions derive
     from each image's grid; None for any other model."""
-    if not model_config.uses_mrope or model_config.hf_config.model_type not in GRID_MODEL_TYPES:
+    known = family(model_config.hf_config.model_type)  # the families whose grids travel
+    if not model_config.uses_mrope or known is None or known.positions != "grids":
         return None
     return int(model_config.hf_config.vision_config.spatial_merge_size)
 
