@@ -113,7 +113,7 @@ async def measure(args, engines: dict) -> None:
         turn = prefilled.handoff
         async for _ in decode.generate(turn):
             pass
-        router.index.stored(1, router.hasher.of_handoff(turn))  # what decode's events say
+        router.decode.index.stored(1, router.hasher.of_handoff(turn))  # what decode's events say
         for n, arm in enumerate(ARMS):
             closing = CLOSINGS[(n + c) % len(CLOSINGS)]
             messages = [*first, ChatMessage("assistant", "A picture."),

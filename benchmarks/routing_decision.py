@@ -97,7 +97,7 @@ def main(args) -> None:
             wire = [handoffs(t, im, hashes) for (t, im), hashes in zip(prompts, ours_hashes)]
             for replicas in (4, 16, 64):
                 router = Router(_Live(replicas), hasher=hasher, keys=[key])
-                index = router.index
+                index = router.decode.index
                 tree = RadixTree() if RadixTree else None
                 engine_tree = RadixTree() if RadixTree else None  # fed the engines' hashes
                 event_id = 0
@@ -189,8 +189,8 @@ def placement(args) -> None:
             prefix = [rng.getrandbits(63) for _ in range(n_tokens // BLOCK)]
             router.table.update({"key": prefix})
             for r in range(replicas):
-                router.prefill_index.stored(r, prefix[:rng.randrange(len(prefix) + 1)])
-                router.prefill_index.stored(r, [rng.getrandbits(63) for _ in range(64)])
+                router.prefill.index.stored(r, prefix[:rng.randrange(len(prefix) + 1)])
+                router.prefill.index.stored(r, [rng.getrandbits(63) for _ in range(64)])
             ask = PlaceRequest(request_id="b", image_keys=["other", "key"])
             took = []
             for _ in range(args.repeats):

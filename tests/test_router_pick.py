@@ -350,3 +350,17 @@ def test_the_follower_mirrors_each_instance_and_resyncs_after_a_broken_stream():
         await settle()
 
     asyncio.run(scenario())
+
+
+def test_the_routers_metrics_read_both_tiers(hasher):
+    """/metrics reads the router's state (router.metrics): every family renders, with the
+    decode and prefill tiers' index sizes."""
+    from mmhandoff.router.metrics import _Collector
+
+    r = _router(hasher)
+    r.decode.index.stored(10, [1, 2, 3])
+    r.prefill.index.stored(20, [7])
+    values = {m.name: m.samples[0].value for m in _Collector(r, {}).collect() if m.samples}
+    assert values["mmhandoff_router_index_blocks"] == 3
+    assert values["mmhandoff_router_index_instances"] == 1
+    assert values["mmhandoff_router_prefill_index_blocks"] == 1

@@ -26,7 +26,7 @@ class _Collector:
                                 "blocks the router knows (learned from handoffs)",
                                 value=len(r.table))
         yield GaugeMetricFamily("mmhandoff_router_prefill_index_blocks", "Distinct blocks the "
-                                "prefill instances hold", value=len(r.prefill_index))
+                                "prefill instances hold", value=len(r.prefill.index))
         yield CounterMetricFamily("mmhandoff_router_blocks", "Full blocks of the routed prompts",
                                   value=r.blocks_total)
         yield CounterMetricFamily("mmhandoff_router_overlap_blocks", "Of those, the blocks the "
@@ -37,9 +37,9 @@ class _Collector:
         yield CounterMetricFamily("mmhandoff_router_lookups", "Prompts prefill asked about "
                                   "(router.held: may its engine be bypassed?)", value=r.lookups)
         yield GaugeMetricFamily("mmhandoff_router_index_blocks", "Distinct blocks in the index",
-                                value=len(r.index))
+                                value=len(r.decode.index))
         yield GaugeMetricFamily("mmhandoff_router_index_instances", "Decode instances indexed",
-                                value=len(r.index.instances()))
+                                value=len(r.decode.index.instances()))
         if self.followers:
             snapshots = CounterMetricFamily("mmhandoff_router_snapshots", "kv_blocks streams "
                                             "(re)started from a worker's snapshot, by tier",
