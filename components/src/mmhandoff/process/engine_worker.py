@@ -153,10 +153,9 @@ def run(role: str, spec_role: str | Callable, endpoint: str,
     args = parser(role).parse_args(argv)
     from mmhandoff import logs
     from mmhandoff.plane.runtime import run as run_loop
-
-    logs.setup()
     from mmhandoff.vllm_adapter.plugins import fast_exit
 
+    logs.setup()
     code = run_loop(_serve(args, spec_role, endpoint, make_worker, errors))
     if fast_exit.enabled():
         # The engine and the runtime are down. The interpreter's finalization would scan the
