@@ -66,8 +66,8 @@ async def measure(args, mem, engines: dict) -> None:
     from mmhandoff.prefill.worker import PrefillWorker
     from mmhandoff.vllm_adapter import EngineSpec, start_engine
     from mmhandoff.vllm_adapter.engine import on_cpu
-    from mmhandoff.wire.handoff import Sampling, encode_handoff
     from mmhandoff.vllm_adapter.inputs import sampling_params
+    from mmhandoff.wire.handoff import Sampling, encode_handoff
     from mmhandoff.wire.messages import FullMediaRequest, PrefillRequest, user
 
     if args.model_shape in ("tiny", "tiny-qwen2-vl"):

@@ -37,8 +37,8 @@ from aiohttp import web
 
 from mmhandoff import logs
 from mmhandoff.frontend import logprobs as oai_logprobs
-from mmhandoff.frontend.metrics import FrontendMetrics
 from mmhandoff.frontend.journey import STALL_S, Journey, Piece, usage
+from mmhandoff.frontend.metrics import FrontendMetrics
 from mmhandoff.frontend.placement import PrefillPlacement
 from mmhandoff.frontend.request import (
     ApiError,

@@ -13,8 +13,8 @@ address on loopback unless $POD_IP names this host's (mmhandoff.plane.addresses)
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 from typing import Any, AsyncIterator, Callable, Coroutine
 
 import msgspec

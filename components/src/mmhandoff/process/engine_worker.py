@@ -15,8 +15,8 @@ import asyncio
 import inspect
 import ipaddress
 import json
-import os
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path

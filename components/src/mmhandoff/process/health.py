@@ -12,8 +12,8 @@ registered and failing every request sent to it.
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ code."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import logging
+import signal
 from typing import Callable
 
 from mmhandoff.plane.registration import lost_message, lost_registration

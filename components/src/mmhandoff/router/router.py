@@ -23,10 +23,10 @@ uniformly, seeded (the benchmarks' other baseline).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import random
-import logging
 import time
 from collections import Counter
 from typing import Any, AsyncIterator, Mapping, Sequence

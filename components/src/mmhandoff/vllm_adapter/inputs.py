@@ -23,8 +23,8 @@ from vllm.sampling_params import StructuredOutputsParams
 from vllm.inputs import tokens_input
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
-from mmhandoff.vllm_adapter.positions import grid_feature_data
 from mmhandoff.vllm_adapter.core.scheduler import KV_COVERAGE_STOP_REASON, KV_STATS_KEY
+from mmhandoff.vllm_adapter.positions import grid_feature_data
 from mmhandoff.wire.handoff import Features, Handoff, Sampling, Span
 
 

@@ -9,8 +9,6 @@ import msgspec
 
 from mmhandoff.engine import Capabilities, EngineInputError, PixelsNeeded, Rendered, Step
 from mmhandoff.media.images import LoadedImage
-from mmhandoff.vllm_adapter.logprobs import prompt_logprobs, token_logprobs
-from mmhandoff.vllm_adapter.positions import GridMemo, grid_merge, rendered_grids
 from mmhandoff.vllm_adapter.inputs import (
     forget_sent,
     kv_coverage_cause,
@@ -22,6 +20,8 @@ from mmhandoff.vllm_adapter.inputs import (
     render_prompt,
     sampling_params,
 )
+from mmhandoff.vllm_adapter.logprobs import prompt_logprobs, token_logprobs
+from mmhandoff.vllm_adapter.positions import GridMemo, grid_merge, rendered_grids
 from mmhandoff.wire.handoff import Handoff, KVMismatch, Sampling
 
 
