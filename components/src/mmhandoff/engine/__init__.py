@@ -1,5 +1,7 @@
 """The engine interface the workers use. mmhandoff.vllm_adapter implements it with vLLM;
-mmhandoff.engine.fake implements it with a deterministic stand-in for the fast tests.
+mmhandoff.engine.fake implements it with a deterministic stand-in for the fast tests. What the
+workers share around it: a request's render (engine.prompt: prefill and agg) and an engine
+request's steps as the chunks a caller streams (engine.stream: decode, agg, the full-media arm).
 
 Lifecycle of an engine: started by its implementation (`vllm_adapter.start_engine(spec)`), then any
 number of concurrent requests, then `shutdown()`. While it serves, `dead_cause()` says why it can

@@ -1,2 +1,3 @@
-"""The OpenAI-compatible HTTP frontend: request checks (request), the app and its retry loop
-(app), Prometheus metrics (metrics)."""
+"""The OpenAI-compatible HTTP frontend: request checks (request), the HTTP app and OpenAI's
+shapes (app), a request's journey through the graph with its retries and migration (journey),
+prefill placement (placement), Prometheus metrics (metrics)."""
