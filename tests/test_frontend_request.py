@@ -128,6 +128,11 @@ BAD_CASES = {
     "server-side path part": (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image", "image": "/etc/passwd"}]}]}).encode(), 400, "invalid_content_part"),
     "no messages": (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "invalid_messages"),
+    # OpenAI's shape: image_url is an object {"url": ...} (issue 35: a bare string was answered)
+    "image_url a bare string": (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": GOOD}]}]}).encode(), 400, "invalid_content_part"),
+    "an unknown field": (chat_body(GOOD, max_token=4), 400, "unknown_parameter"),
+    "completions' field on chat": (chat_body(GOOD, prompt="x"), 400, "unknown_parameter"),
     "bad max_tokens": (chat_body(GOOD, max_tokens=-3), 400, "invalid_max_tokens"),
     "zero max_tokens": (chat_body(GOOD, max_tokens=0), 400, "invalid_max_tokens"),
     # PIL refuses to open it at all (over twice its own pixel limit)
@@ -385,3 +390,34 @@ def test_sampling_settings_reach_the_request_as_vllm_reads_them():
             {"model": MODEL, "prompt": "x", "stop": stop, "include_stop_str_in_output": True}))
         assert (s.sampling.stop, s.sampling.include_stop_str_in_output) == (expected, True)
         assert s.sampling.whole_answer_on_one_engine() == bool(expected)
+
+
+def test_an_unknown_field_is_named_and_one_to_ignore_changes_nothing():
+    """A misspelt or foreign field is refused, naming each; one the operator lists in
+    --ignore-fields is ignored: the request read is the one without it."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(RequestReader(MODEL).chat({**body, "nvext": {}, "temprature": 0}))
+    assert (refused.value.status, refused.value.code) == (400, "unknown_parameter")
+    assert "'nvext', 'temprature'" in str(refused.value)
+    reader = RequestReader(MODEL, ignored_fields=frozenset({"nvext"}))
+    plain, vendor = (asyncio.run(reader.chat(b)) for b in (body, {**body, "nvext": {"x": 1}}))
+    assert msgspec.structs.replace(vendor, request_id=plain.request_id) == plain
+
+
+def test_every_parameter_the_api_doc_names_is_a_known_field():
+    """docs/api.md's tables (applied, refused unless neutral) against the frontend's FIELDS: a
+    documented parameter is never an unknown_parameter."""
+    import re
+    from pathlib import Path
+
+    from mmhandoff.frontend.request import FIELDS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    rows = [line.split("|")[1] for line in doc.splitlines() if line.startswith("| `")]
+    # a row's parameters, not what its remarks in brackets name (parts, nested keys)
+    rows = [re.sub(r"\([^()]*\)", "", row) for row in rows]
+    named = {n for row in rows for n in re.findall(r"`([a-z_]+)`", row)}
+    assert {"max_tokens", "logit_bias", "cache_salt", "messages", "prompt"} <= named
+    assert named <= FIELDS["chat"] | FIELDS["completions"], named - FIELDS["chat"] - FIELDS[
+        "completions"]

@@ -68,15 +68,15 @@ class Frontend:
     def __init__(self, prefill, decode, model: str, *, limits: FrontendLimits = FrontendLimits(),
                  fetch_policy: FetchPolicy = FetchPolicy(), retries: int = 1,
                  migration_limit: int = 3, stall_s: float = STALL_S,
-                 first_token_from: str = "prefill", placement: PrefillPlacement | None = None
-                 ) -> None:
+                 first_token_from: str = "prefill", placement: PrefillPlacement | None = None,
+                 ignored_fields: frozenset[str] = frozenset()) -> None:
         # Dynamo clients. prefill=None: `decode` takes the request itself (the agg worker).
         self.prefill, self.decode = prefill, decode
         if first_token_from not in FIRST_TOKEN_FROM:
             raise ValueError(f"first_token_from: expected one of {FIRST_TOKEN_FROM}")
         self.first_token_from = first_token_from
         self.model, self.limits = model, limits
-        self.reader = RequestReader(model, limits, fetch_policy)
+        self.reader = RequestReader(model, limits, fetch_policy, ignored_fields)
         self.metrics = FrontendMetrics()
         self.journey = Journey(prefill, decode, self.metrics, retries=retries,
                                migration_limit=migration_limit, stall_s=stall_s,
@@ -339,6 +339,10 @@ def parser():
                         "contract, for comparison)")
     p.add_argument("--stall-timeout-s", type=float, default=STALL_S,
                    help="a worker silent this long (no answer, no next token) counts as lost")
+    p.add_argument("--ignore-fields", default="",
+                   help="comma-separated request fields to ignore that are neither OpenAI's nor "
+                        "vLLM's (some clients send their own); any other unknown field is a 400 "
+                        "unknown_parameter (docs/api.md)")
     p.add_argument("--wait-s", type=float, default=600, help="how long to wait for the workers")
     return p
 
@@ -371,10 +375,11 @@ def main(argv: list[str] | None = None) -> int:
 
             placement = PrefillPlacement(await client(
                 rt, f"{args.namespace}.{beside(args.router, PLACE)}", args.wait_s), prefill)
+        ignored = frozenset(f.strip() for f in args.ignore_fields.split(",") if f.strip())
         frontend = Frontend(prefill, decode, args.model_name, fetch_policy=policy,
                             retries=args.retries, migration_limit=args.migration_limit,
                             stall_s=args.stall_timeout_s, first_token_from=args.first_token_from,
-                            placement=placement)
+                            placement=placement, ignored_fields=ignored)
         runner = frontend.runner()
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()

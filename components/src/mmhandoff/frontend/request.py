@@ -68,6 +68,9 @@ class RequestReader:
     model: str
     limits: FrontendLimits = field(default_factory=FrontendLimits)
     fetch_policy: FetchPolicy = field(default_factory=FetchPolicy)
+    # fields a client sends that are neither OpenAI's nor vLLM's, ignored instead of refused
+    # (the frontend's --ignore-fields)
+    ignored_fields: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:  # one image-size limit, whatever way the image comes
         self.fetcher = ImageFetcher(replace(self.fetch_policy,
@@ -75,7 +78,7 @@ class RequestReader:
 
     # ---- the two request kinds ----------------------------------------------------------------
     async def chat(self, body: Any) -> PrefillRequest:
-        self._check_model(body)
+        self._check_model(body, "chat")
         sampling, salt = self._sampling(body, chat=True), _cache_salt(body)  # before any fetch
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -94,7 +97,7 @@ class RequestReader:
                               sampling=sampling, cache_salt=salt)
 
     async def completion(self, body: Any) -> PrefillRequest:
-        self._check_model(body)
+        self._check_model(body, "completions")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -109,12 +112,17 @@ class RequestReader:
                               cache_salt=_cache_salt(body))
 
     # ---- pieces -------------------------------------------------------------------------------
-    def _check_model(self, body: Any) -> None:
+    def _check_model(self, body: Any, api: str) -> None:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", "invalid_request")
         if body.get("model") != self.model:
             raise ApiError(404, f"model {body.get('model')!r} does not exist; this server serves "
                                 f"{self.model!r}", "model_not_found")
+        unknown = sorted(set(body) - FIELDS[api] - self.ignored_fields)
+        if unknown:
+            raise ApiError(400, f"unknown parameter{'s' if len(unknown) > 1 else ''} "
+                                f"{', '.join(map(repr, unknown))} for /v1/{api} (a vendor field "
+                                "to ignore: the frontend's --ignore-fields)", "unknown_parameter")
         _refuse_unapplied(body)
 
     def _message(self, message: Any) -> ChatMessage:
@@ -136,8 +144,11 @@ class RequestReader:
         if kind == "text" and isinstance(part.get("text"), str):
             return TextPart(part["text"])
         if kind == "image_url":
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
+            image_url = part.get("image_url")
+            if not isinstance(image_url, dict):  # OpenAI's shape; a bare string is not
+                raise ApiError(400, 'image_url must be an object: {"url": "data:..." or '
+                                    '"https://..."}', "invalid_content_part")
+            url = image_url.get("url")
             if not isinstance(url, str) or not url:
                 raise ApiError(400, "image_url needs a url", "invalid_image")
             return ImagePart(ImageURL(url))
@@ -373,6 +384,20 @@ UNAPPLIED: dict[str, tuple] = {
     "guided_grammar": (), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "suffix": ("",),
 }
+
+
+# Every field a request may carry: what is applied (docs/api.md), what is refused unless neutral
+# (UNAPPLIED), and `user` (no effect, as in vLLM). Any other is refused with 400
+# `unknown_parameter` naming it: a misspelt parameter (`max_token`, `temprature`) would otherwise
+# be answered as if it had not been asked.
+_COMMON_FIELDS = frozenset({
+    "model", "stream", "stream_options", "n", "echo", "user", "cache_salt", "seed",
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "min_tokens", "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+    "response_format", "structured_outputs", *UNAPPLIED})
+FIELDS = {"chat": _COMMON_FIELDS | {"messages", "top_logprobs"},
+          "completions": _COMMON_FIELDS | {"prompt"}}
 
 
 def _neutral(value: Any, neutral: tuple) -> bool:
