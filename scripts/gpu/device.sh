@@ -7,6 +7,8 @@
 #   scripts/gpu/device.sh install-graph           # which `mmhandoff serve` needs
 #   scripts/gpu/device.sh run CMD [ARG ...]       # run CMD with the bundle and the checkout
 #                                                 # importable (installs first if needed)
+#   scripts/gpu/device.sh clean                   # end what an earlier command left running
+#                                                 # (servers, engines) and holds the GPU
 # With WATCHDOG_S=N, a CMD still running after N s gets the Python stacks of its whole process
 # tree (py-spy, carried as a wheel in .gpu-bundle/debug/) written to $STACKS (default
 # ${OUT:-/tmp}/stacks.txt), and runs on: the way to see where a GPU run hangs.
@@ -51,6 +53,10 @@ dump_stacks() {
     done
   } > "$out"
 }
+ancestors() {
+  local p=$1
+  while p=$(ps -o ppid= -p "$p" | tr -d ' ') && [ -n "$p" ] && [ "$p" != 0 ]; do echo "$p"; done
+}
 descendants() {
   local c
   for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done
@@ -81,6 +87,17 @@ case "${1:-}" in
     for part in "$@"; do cp "$part" "$STASH/graph/"; done
     log "stashed graph parts: $(cd "$STASH/graph" && ls part-* | tr '\n' ' ')" ;;
   install) install ;;
+  clean)
+    # A command stopped by `timeout` can leave servers in sessions of their own holding the GPU
+    # (a `vllm serve` kept 75 GB and the next tier failed at engine start). This shell and its
+    # callers are spared: their command lines may name what is killed.
+    mine=" $$ $(ancestors $$) "
+    left="vllm.entrypoints|VLLM::|mmhandoff[. ](serve|frontend|agg|prefill|decode|router)"
+    for pid in $(pgrep -f "$left"); do
+      case "$mine" in *" $pid "*) ;; *) kill -9 "$pid" 2>/dev/null || true ;; esac
+    done
+    sleep 2
+    log "GPU memory in use: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)" ;;
   install-graph) install_graph ;;
   run)
     shift; install
@@ -91,5 +108,5 @@ case "${1:-}" in
     "$@" & pid=$!
     ( sleep "$WATCHDOG_S"; kill -0 "$pid" 2>/dev/null && dump_stacks "$pid" ) &
     wait "$pid" ;;
-  *) sed -n 2,7p "$0"; exit 2 ;;
+  *) sed -n 2,11p "$0"; exit 2 ;;
 esac
