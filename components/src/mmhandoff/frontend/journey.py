@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import msgspec
@@ -70,6 +70,21 @@ def api_error(e: RemoteError) -> ApiError:
     if e.fault == "client":
         return ApiError(413 if e.code == "request_too_large" else 400, e.message, e.code)
     return ApiError(503 if e.code in UNAVAILABLE else 500, e.message, e.code, "server_error")
+
+
+@dataclass
+class _Sent:
+    """An answer's state across its attempts: the client's request, the one going through the
+    graph now, what the client has been sent, and how often it went round again."""
+
+    original: PrefillRequest
+    request: PrefillRequest
+    generated: list[int] = field(default_factory=list)  # token ids sent
+    retries: int = 0
+    migrations: int = 0
+    decoded: bool = False  # this attempt's decode streamed a chunk
+    first_token_at: float = 0.0  # unix time the caller delivered the first token
+    last_t: float | None = None  # when the last piece came (perf_counter)
 
 
 class Journey:
@@ -128,69 +143,76 @@ class Journey:
         when the failed attempt's decode had streamed nothing, a migration (`migration_limit`
         times at most) when a decode replica was lost mid-answer. Past those bounds the answer
         ends with the error, never as a silent, short answer."""
-        request, generated, retries, migrations, last_t = prefill_request, [], 0, 0, None
-        first_token_at = 0.0
+        sent = _Sent(prefill_request, prefill_request)
         while True:
-            decoded = False  # this attempt's decode streamed a chunk
+            sent.decoded = False
             try:
-                async with aclosing(self.attempt(request)) as chunks:
+                async with aclosing(self.attempt(sent.request)) as chunks:
                     async for chunk, prefill_stats, from_decode in chunks:
-                        decoded = decoded or from_decode
-                        now = time.perf_counter()
-                        if last_t is None:
-                            self.metrics.ttft.observe(now - t0)
-                        else:
-                            self.metrics.itl.observe(now - last_t)
-                        last_t = now
-                        # the prompt's logprobs go with the answer's first piece only
-                        piece = Piece(chunk.text, chunk.finish_reason, logprobs=chunk.logprobs,
-                                      prompt_logprobs=None if generated
-                                      else chunk.prompt_logprobs)
-                        generated += chunk.token_ids
-                        # the client's prompt: prefill's, less a migration's tokens
-                        prompt = (prefill_stats.prompt_tokens if prefill_stats is not None
-                                  else chunk.stats.prompt_tokens if chunk.stats is not None
-                                  else None)
-                        if prompt is not None:  # the usage so far (continuous_usage_stats)
-                            piece.usage = usage(prompt - len(request.continuation),
-                                                 len(generated))
-                        if piece.finish:
-                            stats = chunk.stats or DecodeStats(request_bytes=-1, prepare_ms=-1)
-                            self.metrics.record_decode(stats)
-                            if piece.usage is not None:
-                                self.metrics.prompt_tokens.inc(piece.usage["prompt_tokens"])
-                            self.metrics.completion_tokens.inc(len(generated))
-                            piece.stats = AnswerStats(
-                                **msgspec.structs.asdict(stats), prefill=prefill_stats,
-                                retries=retries, migrations=migrations,
-                                first_token_at=first_token_at)
-                        yield piece
-                        if not first_token_at:  # the caller has delivered the first token
-                            first_token_at = time.time()
+                        yield self._piece(sent, chunk, prefill_stats, from_decode, t0)
+                        # the caller has delivered the first token
+                        sent.first_token_at = sent.first_token_at or time.time()
                 return
             except RemoteError as e:
-                left = prefill_request.sampling.max_tokens - len(generated)
-                if e.code not in RETRIED or left <= 0:
-                    raise api_error(e) from None
-                if not decoded and retries < self.retries:
-                    retries += 1
-                    self.metrics.retries.inc()
-                elif decoded and prefill_request.sampling.structured is not None:
-                    raise api_error(e) from None  # its grammar cannot go on from sent tokens
-                elif decoded and migrations < self.migration_limit:
-                    migrations += 1
-                    self.metrics.migrations.inc()
-                else:
-                    raise api_error(e) from None
-                # a bypassed handoff whose blocks were evicted fails closed: prefill this time
-                request = msgspec.structs.replace(request, allow_bypass=False)
-                if generated:
-                    sampling = prefill_request.sampling
-                    request = msgspec.structs.replace(
-                        prefill_request, continuation=list(generated), allow_bypass=False,
-                        sampling=msgspec.structs.replace(
-                            sampling, max_tokens=left,
-                            min_tokens=max(sampling.min_tokens - len(generated), 0)))
+                sent.request = self._again(sent, e)  # or the client's error, past the bounds
+
+    def _piece(self, sent: _Sent, chunk: DecodeChunk, prefill_stats: PrefillStats | None,
+               from_decode: bool, t0: float) -> Piece:
+        """A chunk as the client's next piece, with the usage so far; the last one with the
+        answer's statistics. Counts it in `sent` and the metrics."""
+        sent.decoded = sent.decoded or from_decode
+        now = time.perf_counter()
+        if sent.last_t is None:
+            self.metrics.ttft.observe(now - t0)
+        else:
+            self.metrics.itl.observe(now - sent.last_t)
+        sent.last_t = now
+        # the prompt's logprobs go with the answer's first piece only
+        piece = Piece(chunk.text, chunk.finish_reason, logprobs=chunk.logprobs,
+                      prompt_logprobs=None if sent.generated else chunk.prompt_logprobs)
+        sent.generated += chunk.token_ids
+        # the client's prompt: prefill's, less a migration's tokens
+        prompt = (prefill_stats.prompt_tokens if prefill_stats is not None
+                  else chunk.stats.prompt_tokens if chunk.stats is not None else None)
+        if prompt is not None:  # the usage so far (continuous_usage_stats)
+            piece.usage = usage(prompt - len(sent.request.continuation), len(sent.generated))
+        if piece.finish:
+            stats = chunk.stats or DecodeStats(request_bytes=-1, prepare_ms=-1)
+            self.metrics.record_decode(stats)
+            if piece.usage is not None:
+                self.metrics.prompt_tokens.inc(piece.usage["prompt_tokens"])
+            self.metrics.completion_tokens.inc(len(sent.generated))
+            piece.stats = AnswerStats(
+                **msgspec.structs.asdict(stats), prefill=prefill_stats, retries=sent.retries,
+                migrations=sent.migrations, first_token_at=sent.first_token_at)
+        return piece
+
+    def _again(self, sent: _Sent, e: RemoteError) -> PrefillRequest:
+        """The request that goes on after the failure `e` (a retry or a migration, continuing
+        from what was sent), or the client's error (raised) when it may not."""
+        original = sent.original
+        left = original.sampling.max_tokens - len(sent.generated)
+        if e.code not in RETRIED or left <= 0:
+            raise api_error(e) from None
+        if not sent.decoded and sent.retries < self.retries:
+            sent.retries += 1
+            self.metrics.retries.inc()
+        elif sent.decoded and original.sampling.structured is not None:
+            raise api_error(e) from None  # its grammar cannot go on from sent tokens
+        elif sent.decoded and sent.migrations < self.migration_limit:
+            sent.migrations += 1
+            self.metrics.migrations.inc()
+        else:
+            raise api_error(e) from None
+        # a bypassed handoff whose blocks were evicted fails closed: prefill this time
+        if not sent.generated:
+            return msgspec.structs.replace(sent.request, allow_bypass=False)
+        sampling = original.sampling
+        return msgspec.structs.replace(
+            original, continuation=list(sent.generated), allow_bypass=False,
+            sampling=msgspec.structs.replace(
+                sampling, max_tokens=left,
+                min_tokens=max(sampling.min_tokens - len(sent.generated), 0)))
 
     async def attempt(self, prefill_request
                       ) -> AsyncIterator[tuple[DecodeChunk, PrefillStats | None, bool]]:
