@@ -76,7 +76,7 @@ class Graph:
         return "".join(self.log[-n:])
 
     def _started_lines(self):
-        found = (re.match(r"\[serve\] started (\S+) \(pid (\d+), health (\S+)\)", line)
+        found = (re.search(r"\[serve\] started (\S+) \(pid (\d+), health (\S+)\)", line)
                  for line in self.log)
         return [m for m in found if m]
 

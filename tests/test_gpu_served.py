@@ -56,7 +56,7 @@ def _served(tmp_path, graph: str, model: str, *, text: bool = True) -> tuple[str
     with g.failing_loudly():
         plain, streamed = _ask(g.url, model, False), _ask(g.url, model, True)
         assert plain == streamed and (plain or not text), (plain, streamed)
-        placed = [line.strip() for line in g.log if re.match(r"\[serve\] \w+-\d+: GPU", line)]
+        placed = [line.strip() for line in g.log if re.search(r"\[serve\] \w+-\d+: GPU", line)]
         starts = [line.strip() for line in g.log if "engine started in" in line]
         print(f"{graph}: {placed} {starts}", flush=True)
         g.stop()

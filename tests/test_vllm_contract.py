@@ -144,7 +144,7 @@ def test_shm_ring_reader_fields_used_by_the_spin_plugin():
 def test_plugin_setting(monkeypatch, module, default, example, bads):
     import importlib
 
-    plugin = importlib.import_module(f"mmhandoff.vllm_adapter.{module}")
+    plugin = importlib.import_module(f"mmhandoff.vllm_adapter.plugins.{module}")
     read = plugin.spin_seconds if module == "spin" else plugin.poll_seconds
     monkeypatch.delenv(plugin.ENV, raising=False)
     assert read() == default

@@ -1,8 +1,9 @@
 """One log format for every mmhandoff process: `setup()` once in a process's main, then
-`logging.getLogger(__name__)` in each module. Each line names its component in brackets, as it
-always did ("[frontend] ready on ..."); serve then prefixes every line of a component's output
-with the replica's name. Components log to stderr; serve's own lines, which are its output, to
-stdout."""
+`logging.getLogger(__name__)` in each module. A line is its message, which names its component
+in brackets ("[frontend] ready on ..."), and nothing before it: users and scripts read serve's
+lines by their start ("[serve] ready: <url>"), and serve prefixes every line of a replica's
+output with the replica's name. Components log to stderr; serve's own lines, which are its
+output, to stdout."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import logging
 import sys
 from typing import TextIO
 
-FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(message)s"
-DATE_FORMAT = "%H:%M:%S"
+FORMAT = "%(message)s"
 
 
 def setup(stream: TextIO | None = None, level: int = logging.INFO) -> None:
@@ -19,7 +19,7 @@ def setup(stream: TextIO | None = None, level: int = logging.INFO) -> None:
     root = logging.getLogger("mmhandoff")
     if not any(getattr(h, "mmhandoff", False) for h in root.handlers):
         handler = logging.StreamHandler(stream or sys.stderr)
-        handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
+        handler.setFormatter(logging.Formatter(FORMAT))
         handler.mmhandoff = True
         root.addHandler(handler)
     root.setLevel(level)
