@@ -1,5 +1,6 @@
 """The three ways a test runs one request (handoff, aggregated, full-media P/D), the block
-hashes an engine published for a prompt, and the prefill engine's KV usage."""
+hashes an engine published for a prompt, the prefill engine's KV usage, and a decode message's
+handoff (opened, sealed again)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,24 @@ import msgspec
 
 from mmhandoff.decode.worker import collect
 from mmhandoff.vllm_adapter.inputs import sampling_params
-from mmhandoff.wire.handoff import Sampling
-from mmhandoff.wire.messages import FullMediaRequest, PrefillRequest
+from mmhandoff.wire.handoff import Handoff, Sampling, decode_handoff, encode_handoff
+from mmhandoff.wire.messages import (
+    FullMediaRequest,
+    HandoffMessage,
+    PrefillRequest,
+    handoff_bytes,
+)
+
+
+def opened(message: dict | str) -> Handoff:
+    """The Handoff in decode's message (or in a prefill answer's `handoff` text)."""
+    return decode_handoff(handoff_bytes(message if isinstance(message, dict)
+                                        else {"handoff": message}))
+
+
+def sealed(h: Handoff) -> dict:
+    """Decode's message for `h`, as the frontend sends it (its bytes, base64 in JSON)."""
+    return msgspec.to_builtins(HandoffMessage(encode_handoff(h)))
 
 
 def greedy(max_tokens: int = 32, **kw) -> Sampling:

@@ -13,6 +13,7 @@ from mmhandoff.engine.stream import KVCoverageError, collect
 from mmhandoff.media.images import decode_image
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.vllm_adapter.inputs import forget_sent
+from mmhandoff.wire.handoff import decode_handoff
 from mmhandoff.wire.messages import ChatMessage, KvHeld, PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import agg_run, greedy, handoff_run
@@ -31,7 +32,7 @@ class Claims:
     (true only if decode really served it: the engine decides, fail-closed)."""
 
     async def held(self, handoff):
-        n = len(handoff.token_ids) // BLOCK
+        n = len(decode_handoff(handoff).token_ids) // BLOCK  # its bytes, as the router gets them
         return KvHeld(instance=1, blocks_held=n, blocks=n)
 
 
@@ -47,8 +48,9 @@ def _bypass(loop, prefill, request_id, messages, s):
     bypassing = PrefillWorker(prefill.engine, router=Claims(), bypass_max_tokens=256)
     answer = loop.run(bypassing.prefill(PrefillRequest(
         request_id=request_id, messages=messages, sampling=s)))
-    assert answer.stats.bypassed and answer.handoff.kv_transfer_params == {}
-    return answer.handoff
+    handoff = decode_handoff(answer.handoff)
+    assert answer.stats.bypassed and handoff.kv_transfer_params == {}
+    return handoff
 
 
 def test_a_follow_up_decode_holds_is_answered_from_its_cache_as_agg(loop, workers, engines):

@@ -25,10 +25,10 @@ import pytest
 from mmhandoff.plane.handoff_keys import KEY_ENV
 from mmhandoff.plane.runtime import RemoteError, call, client, runtime
 from mmhandoff.process.health import ENGINE_DEAD, free_system_port
-from mmhandoff.wire.handoff import Features, Handoff, sign
+from mmhandoff.wire.handoff import sign
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image
-from tests.flows import greedy
+from tests.flows import greedy, opened, sealed
 
 pytestmark = pytest.mark.graph
 
@@ -52,14 +52,13 @@ def _health(port: int) -> tuple[int, str]:
         return e.code, json.loads(e.read())["status"]
 
 
-def _bad_handoffs(used: dict, fresh: dict, other_features: dict, key: bytes) -> dict[str, dict]:
-    """A handoff already used, replayed; a fresh one relabelled with another image's features
-    (prefix-cache poisoning); one stripped of its signature, one expired, one signed with another
-    key."""
-    h = msgspec.convert(used, Handoff)
-    relabelled = msgspec.structs.replace(msgspec.convert(fresh, Handoff),
-                                         features=msgspec.convert(other_features, Features))
-    return {name: msgspec.to_builtins(m) for name, m in {
+def _bad_handoffs(used: dict, fresh: dict, other: dict, key: bytes) -> dict[str, dict]:
+    """Decode messages: a handoff already used, replayed; a fresh one relabelled with another
+    image's features (`other`'s: prefix-cache poisoning); one stripped of its signature, one
+    expired, one signed with another key."""
+    h = opened(used)
+    relabelled = msgspec.structs.replace(opened(fresh), features=opened(other).features)
+    return {name: sealed(m) for name, m in {
         "replayed": h,
         "relabelled": relabelled,
         "unsigned": msgspec.structs.replace(h, digest=None, nonce=None, expires_at=None),
@@ -95,7 +94,7 @@ def test_prefill_and_decode_processes(tmp_path, tiny_model):
                         messages=chat("Alone?", data_uri(encode(make_image(80, 60, seed))))))
 
                 async def handoff(seed: int) -> dict:
-                    return [a async for a in call(p, ask(seed))][0]["handoff"]
+                    return {"handoff": [a async for a in call(p, ask(seed))][0]["handoff"]}
 
                 honest = await handoff(5)
                 chunks = [c async for c in call(d, honest)]
@@ -103,7 +102,7 @@ def test_prefill_and_decode_processes(tmp_path, tiny_model):
                 # relabelled one is a fresh handoff for picture 5 named as picture 6
                 other = await handoff(6)  # prefill's only: decode has not seen picture 6
                 refusals = {}
-                for name, bad in _bad_handoffs(honest, await handoff(5), other["features"],
+                for name, bad in _bad_handoffs(honest, await handoff(5), other,
                                                key.encode()).items():
                     try:
                         refusals[name] = [c async for c in call(d, bad)]

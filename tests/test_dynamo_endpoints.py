@@ -12,7 +12,7 @@ from mmhandoff.plane.runtime import RemoteError, call
 from mmhandoff.wire.handoff import EmptyHash
 from mmhandoff.wire.messages import PrefillAnswer, PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
-from tests.flows import greedy
+from tests.flows import greedy, opened, sealed
 
 pytestmark = pytest.mark.engine
 
@@ -26,7 +26,7 @@ def test_handoff_through_the_runtime_equals_in_process(loop, dynamo):
     messages = chat("Over the wire?", data_uri(encode(make_image(256, 192, 77))))
     request = PrefillRequest(request_id="dyn-1", messages=messages, sampling=greedy(16, ignore_eos=True))
     (answer,) = loop.run(_all(call(p, msgspec.to_builtins(request))))
-    chunks = loop.run(_all(call(d, answer["handoff"])))
+    chunks = loop.run(_all(call(d, {"handoff": answer["handoff"]})))
     remote_tokens = [t for c in chunks for t in c["token_ids"]]
     assert chunks[-1]["finish_reason"] == "length"
     assert chunks[-1]["stats"]["kv_tokens_pulled"] > 0
@@ -51,12 +51,13 @@ def test_typed_errors_cross_the_runtime(loop, dynamo):
     request = PrefillRequest(request_id="dyn-3", sampling=greedy(4),
                              messages=chat("Errors?", data_uri(encode(make_image(90, 90, 78)))))
     (answer,) = loop.run(_all(call(p, msgspec.to_builtins(request))))
-    bad = dict(answer["handoff"], features=dict(answer["handoff"]["features"],
-                                                mm_hashes={"image": [""]}))
+    h = opened(answer["handoff"])
+    bad = sealed(msgspec.structs.replace(h, features=msgspec.structs.replace(
+        h.features, mm_hashes={"image": [""]})))
     with pytest.raises(RemoteError) as err:
         loop.run(_all(call(d, bad)))
     assert err.value.code == EmptyHash.code
-    no_kv = dict(answer["handoff"], kv_transfer_params={})
+    no_kv = sealed(msgspec.structs.replace(h, kv_transfer_params={}))
     with pytest.raises(RemoteError) as err:
         loop.run(_all(call(d, no_kv)))
     assert err.value.code == "kv_coverage" and err.value.cause.startswith("no KV")
@@ -83,11 +84,14 @@ def test_router_passes_handoffs_and_errors_through(loop, dynamo):
                                  messages=chat("Routed?", data_uri(encode(make_image(90, 70, 79)))))
         (first,) = loop.run(_all(call(p, msgspec.to_builtins(request))))
         (second,) = loop.run(_all(call(p, msgspec.to_builtins(request))))
-        routed = [t for c in loop.run(_all(call(r, first["handoff"]))) for t in c["token_ids"]]
-        direct = [t for c in loop.run(_all(call(d, second["handoff"]))) for t in c["token_ids"]]
+        routed = [t for c in loop.run(_all(call(r, {"handoff": first["handoff"]})))
+                  for t in c["token_ids"]]
+        direct = [t for c in loop.run(_all(call(d, {"handoff": second["handoff"]})))
+                  for t in c["token_ids"]]
         assert routed == direct and len(routed) == 7  # after prefill's first token
         with pytest.raises(RemoteError) as err:
-            loop.run(_all(call(r, dict(first["handoff"], kv_transfer_params={}))))
+            loop.run(_all(call(r, sealed(msgspec.structs.replace(opened(first["handoff"]),
+                                                                 kv_transfer_params={})))))
         assert err.value.code == "kv_coverage" and err.value.message.startswith("request")
     finally:
         rt.shutdown()
@@ -97,13 +101,13 @@ def test_full_media_arm_endpoint_handlers(loop, dynamo, engines):
     """The benchmark arm's endpoint handlers, in their wire forms: prefill answers with prompt + image bytes, decode (with the
     vision tower) re-processes them; same tokens as the handoff, and decode got the media."""
     from mmhandoff.decode.full_media import FullMediaDecodeWorker
-    from mmhandoff.prefill.worker import PrefillWorker
+    from mmhandoff.prefill.full_media import FullMediaPrefillWorker
 
     prefill, _, p, d = dynamo
     png = encode(make_image(160, 120, 80))
     request = PrefillRequest(request_id="dyn-f", sampling=greedy(8, ignore_eos=True),
                              messages=chat("Full media?", data_uri(png)))
-    (answer,) = loop.run(_all(PrefillWorker(engines.prefill, full_media=True).handle(
+    (answer,) = loop.run(_all(FullMediaPrefillWorker(engines.prefill).handle(
         msgspec.to_builtins(request))))
     typed = msgspec.convert(answer, PrefillAnswer)
     assert typed.handoff is None and typed.full_media is not None  # the media, not a Handoff
@@ -114,7 +118,7 @@ def test_full_media_arm_endpoint_handlers(loop, dynamo, engines):
     (h,) = loop.run(_all(call(p, msgspec.to_builtins(msgspec.structs.replace(
         request, request_id="dyn-f2")))))
     handoff = [h["first"]["token_id"]] + [  # prefill's token, then decode's
-        t for c in loop.run(_all(call(d, h["handoff"]))) for t in c["token_ids"]]
+        t for c in loop.run(_all(call(d, {"handoff": h["handoff"]}))) for t in c["token_ids"]]
     assert full == handoff and len(full) == 8
 
 

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from mmhandoff.frontend.app import Frontend
-from mmhandoff.wire.handoff import Features, Handoff, Sampling
+from mmhandoff.wire.handoff import Features, Handoff, Sampling, encode_handoff
 from mmhandoff.wire.messages import (
     DecodeChunk,
     DecodeStats,
@@ -28,6 +28,7 @@ from mmhandoff.wire.messages import (
     TopLogprob,
 )
 from tests.conftest import serve_app
+from tests.flows import opened
 from tests.local_plane import Item
 
 pytestmark = pytest.mark.unit
@@ -73,7 +74,7 @@ def handoff_answer(rid="r", prompt_tokens=3, first: FirstToken | None = None) ->
     stats = PrefillStats(images=0, image_bytes=0, prompt_tokens=prompt_tokens, prepare_ms=1.0,
                          prefill_ms=2.0)
     ended = first is not None and first.finish_reason is not None
-    return msgspec.to_builtins(PrefillAnswer(first=first, handoff=None if ended else h,
+    return msgspec.to_builtins(PrefillAnswer(first=first, handoff=None if ended else encode_handoff(h),
                                              stats=stats))
 
 
@@ -133,7 +134,7 @@ def test_a_whole_answer_with_both_tiers_statistics(loop):
     assert (stats["request_bytes"], stats["kv_tokens_pulled"], stats["retries"]) == (300, 3, 0)
     assert stats["prefill"]["prefill_ms"] == 2.0
     # decode got exactly the handoff prefill made
-    assert decode.requests == [handoff_answer()["handoff"]]
+    assert decode.requests == [{"handoff": handoff_answer()["handoff"]}]
 
 
 @pytest.mark.parametrize("code, fault, status, kind", [
@@ -316,7 +317,7 @@ def test_prefills_first_token_is_streamed_and_decode_continues_after_it(loop):
     first, rest = json.loads(events[0]), [json.loads(e) for e in events[1:-1]]
     assert first["choices"][0]["delta"] == {"content": "Hel"}  # prefill's, before decode's
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in rest) == "lo"
-    assert decode.requests[0]["first_token"] == 5
+    assert opened(decode.requests[0]).first_token == 5  # the handoff went on unchanged
     status, got = ask(loop, Scripted([handoff_answer(first=FIRST)]), Scripted(
         [chunk("lo", [6], "length", prompt_tokens=3)]))
     assert got["choices"][0]["message"]["content"] == "Hello"
@@ -359,7 +360,7 @@ def test_a_handoff_whose_client_left_after_the_first_token_still_reaches_decode(
 
     got, from_decode = loop.run(leave_after_first())
     assert (got.token_ids, from_decode) == ([5], False)
-    assert decode.requests == [handoff_answer(first=FIRST)["handoff"]]
+    assert decode.requests == [{"handoff": handoff_answer(first=FIRST)["handoff"]}]
 
 
 def test_penalties_and_stop_strings_let_decode_sample_every_token(loop):

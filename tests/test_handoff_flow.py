@@ -11,7 +11,7 @@ from mmhandoff.agg.worker import AggWorker
 from mmhandoff.decode.full_media import FullMediaDecodeWorker
 from mmhandoff.decode.worker import DecodeWorker
 from mmhandoff.prefill.worker import PrefillWorker
-from mmhandoff.wire.handoff import Sampling
+from mmhandoff.wire.handoff import Sampling, decode_handoff
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import agg_run, full_media_run, greedy, handoff_run, published_chain
@@ -478,7 +478,7 @@ def test_a_structured_answer_is_sampled_by_decode_and_follows_its_schema(loop, w
         agg = loop.run(streamed(AggWorker(engines.full).generate(request)))
         answer = loop.run(prefill.prefill(msgspec.structs.replace(
             request, request_id=f"so-{name}-split", first_token=False)))
-        assert answer.first is None and answer.handoff.first_token is None
+        assert answer.first is None and decode_handoff(answer.handoff).first_token is None
         split = loop.run(streamed(decode.generate(answer.handoff)))
         assert split == agg, name
         text = "".join(t for _, t in split)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mmhandoff.wire.messages import HandoffMessage, handoff_bytes
 from mmhandoff.wire.handoff import (
     VERSION,
     BlockHashes,
@@ -40,7 +41,6 @@ from mmhandoff.wire.handoff import (
     check_admission,
     decode_handoff,
     encode_handoff,
-    handoff_from_builtins,
     sign,
 )
 
@@ -88,7 +88,8 @@ def handoffs(draw):
 @given(handoffs())
 def test_round_trip_is_lossless(h):
     assert decode_handoff(encode_handoff(h)) == h
-    assert handoff_from_builtins(msgspec.to_builtins(h)) == h
+    assert decode_handoff(handoff_bytes(msgspec.to_builtins(h))) == h  # an older frontend's form
+    assert decode_handoff(handoff_bytes(msgspec.to_builtins(HandoffMessage(encode_handoff(h))))) == h
     check_admission(h, fingerprint=FP, grid_merge=None if h.features.mm_grids is None else 2)
 
 
@@ -207,8 +208,9 @@ def _wire(d: dict) -> bytes:
      MalformedHandoff),  # two constraints
     (lambda d: d.update(sampling={"structured": {}}), MalformedHandoff),  # none
 ])
-@pytest.mark.parametrize("decode", [lambda d: decode_handoff(_wire(d)), handoff_from_builtins],
-                         ids=["bytes", "builtins"])
+@pytest.mark.parametrize("decode", [lambda d: decode_handoff(_wire(d)),
+                                    lambda d: decode_handoff(handoff_bytes(d))],
+                         ids=["bytes", "older_frontends_message"])
 def test_each_structural_rule_has_its_error(mutate, error, decode):
     d = _raw(_good())
     mutate(d)
@@ -229,8 +231,10 @@ def test_version_1_stays_readable():
 def test_not_a_map_is_malformed():
     with pytest.raises(MalformedHandoff):
         decode_handoff(msgspec.msgpack.encode([1, 2, 3]))
-    with pytest.raises(MalformedHandoff):
-        handoff_from_builtins([1, 2, 3])
+    for message in ([1, 2, 3], {"handoff": "not base64!"}, {"handoff": 3},
+                    {"handoff": "", "extra": 1}):
+        with pytest.raises(MalformedHandoff):
+            decode_handoff(handoff_bytes(message))
 
 
 def test_admission_rules():
@@ -393,3 +397,13 @@ def test_a_version_3_prefills_signature_verifies_at_this_decode():
     with pytest.raises(DigestMismatch):
         check_admission(decode_handoff(msgspec.msgpack.encode(tampered)), fingerprint=FP,
                         keys=[key])
+
+
+def test_a_signed_handoff_verifies_as_its_readers_decode_it():
+    """An int given where the type says float (temperature=0) is a float once decoded: the MAC is
+    computed on the message as readers decode it, so prefill's bytes verify on every hop."""
+    key = b"k" * 32
+    h = sign(_good(sampling=Sampling(temperature=0, top_p=1, max_tokens=4)), key, ttl_s=30)
+    received = decode_handoff(encode_handoff(h))
+    assert type(received.sampling.temperature) is float
+    check_admission(received, fingerprint=FP, keys=[key])

@@ -11,7 +11,7 @@ import pytest
 from mmhandoff.engine.fake import FakeEngine
 from mmhandoff.prefill.bypass import decode_can_answer
 from mmhandoff.prefill.worker import PrefillWorker
-from mmhandoff.wire.handoff import Sampling, check_admission
+from mmhandoff.wire.handoff import Sampling, check_admission, decode_handoff
 from mmhandoff.wire.messages import KvHeld, PrefillRequest, user
 from tests.conftest import data_uri, encode, make_image
 
@@ -60,7 +60,7 @@ def test_a_prompt_decode_holds_through_its_image_skips_the_engine():
     # the fake engine's prompt: "<|user|>", 4 image tokens at 1..4, 4 words: 9 tokens in blocks
     # of 4, so 2 full blocks hold the image
     answer, engine = _prefill(Router(KvHeld(instance=7, blocks_held=2, blocks=2)))
-    h = answer.handoff
+    h = decode_handoff(answer.handoff)
     assert answer.stats.bypassed and answer.first is None and answer.stats.prefill_ms == 0
     assert h.kv_transfer_params == {} and h.first_token is None and h.requires_kv
     assert engine.submitted == 0 and len(engine.discarded) == 1  # rendered, never submitted
@@ -82,12 +82,12 @@ def test_a_prompt_decode_holds_through_its_image_skips_the_engine():
 def test_otherwise_prefill_runs_its_engine(case, router, request_kw, max_tokens):
     answer, engine = _prefill(router, _request(**request_kw), max_tokens)
     assert not answer.stats.bypassed and engine.submitted == 1 and not engine.discarded, case
-    assert answer.handoff.kv_transfer_params  # names the KV decode pulls
+    assert decode_handoff(answer.handoff).kv_transfer_params  # names the KV decode pulls
 
 
 def test_decode_can_answer_needs_every_image_position_held_and_little_left():
     answer, _ = _prefill(Router(KvHeld(instance=7, blocks_held=2, blocks=2)))
-    h = answer.handoff  # 9 tokens, the image at [1, 5)
+    h = decode_handoff(answer.handoff)  # 9 tokens, the image at [1, 5)
     assert decode_can_answer(h, KvHeld(instance=1, blocks_held=2), 4, 1)
     assert not decode_can_answer(h, KvHeld(instance=1, blocks_held=2), 4, 0)  # 1 token left
     assert not decode_can_answer(h, KvHeld(instance=1, blocks_held=1), 4, 16)  # image ends at 5

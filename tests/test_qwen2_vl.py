@@ -15,6 +15,7 @@ from mmhandoff.wire.handoff import (
     PositionStateMismatch,
     PositionStateMissing,
     PositionStateUnexpected,
+    decode_handoff,
 )
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image, start
@@ -300,7 +301,7 @@ def test_a_follow_up_bypass_takes_its_positions_from_the_grids(loop, qwen):
     bypassing = PrefillWorker(prefill.engine, router=Claims(), bypass_max_tokens=256)
     answer = loop.run(bypassing.prefill(PrefillRequest(request_id="q-bp-2", messages=follow_up,
                                                        sampling=s)))
-    handoff = answer.handoff
+    handoff = decode_handoff(answer.handoff)
     assert answer.stats.bypassed and handoff.kv_transfer_params == {}
     ((_, _, span, grid),) = handoff.items_with_grids()
     assert grid is not None and span.offset + span.length <= len(handoff.token_ids) // BLOCK * BLOCK

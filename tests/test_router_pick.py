@@ -16,8 +16,18 @@ from mmhandoff.router.scorers import Candidates
 from mmhandoff.router.scorers.load import LoadScorer
 from mmhandoff.router.scorers.overlap import OverlapScorer
 from mmhandoff.router.tier import Tier
-from mmhandoff.wire.handoff import VERSION, BlockHashes, Features, Handoff, Sampling, Span, sign
-from mmhandoff.wire.messages import KvBlocks, KvHeld
+from mmhandoff.wire.handoff import (
+    VERSION,
+    BlockHashes,
+    Features,
+    Handoff,
+    Sampling,
+    Span,
+    decode_handoff,
+    encode_handoff,
+    sign,
+)
+from mmhandoff.wire.messages import HandoffMessage, KvBlocks, KvHeld, handoff_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +69,16 @@ def _handoff(tokens: list[int], image: str | None = "img-a", bypass: bool = Fals
                                   mm_placeholders=spans),
                 requires_kv=True, sampling=Sampling(),
                 kv_transfer_params={} if bypass else {"do_remote_prefill": True})
-    return msgspec.to_builtins(h)
+    return _message(h)
+
+
+def _message(h: Handoff) -> dict:
+    """The router's message for `h` as Dynamo delivers it: its bytes, in base64 text."""
+    return msgspec.to_builtins(HandoffMessage(encode_handoff(h)))
+
+
+def _typed(message: dict) -> Handoff:
+    return decode_handoff(handoff_bytes(message))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +93,7 @@ def _router(hasher, ids=(10, 20, 30), **kw) -> Router:
 
 
 def _blocks(router, handoff: dict) -> list:
-    return router.hasher.of_handoff(msgspec.convert(handoff, Handoff))
+    return router.hasher.of_handoff(_typed(handoff))
 
 
 def test_the_replica_holding_the_longest_prefix_wins(hasher):
@@ -103,15 +122,16 @@ def test_an_authentic_handoffs_own_hashes_are_looked_up_any_other_is_hashed_agai
     key = b"k" * 32
     plain = _handoff(list(range(100, 121)))  # 5 full blocks
     carried = BlockHashes(block_size=BLOCK, hashes=[7, 8, 9, 10, 11])
-    h = msgspec.convert(dict(plain, v=VERSION), Handoff)
-    h = msgspec.structs.replace(h, block_hashes=carried)
-    signed = msgspec.to_builtins(sign(h, key, ttl_s=30))
+    h = msgspec.structs.replace(_typed(plain), v=VERSION, block_hashes=carried)
+    signed_h = sign(h, key, ttl_s=30)
+    signed = _message(signed_h)
     r = _router(hasher, keys=[key])
     r.decode.index.stored(30, carried.hashes)
     assert r.pick(signed) == (30, "overlap") and r.hashed_by == {"prefill": 1}
-    tampered = dict(signed, block_hashes={"block_size": BLOCK, "hashes": [7, 8, 9, 10, 12]})
-    unsigned = msgspec.to_builtins(h)
-    resized = msgspec.to_builtins(sign(msgspec.structs.replace(
+    tampered = _message(msgspec.structs.replace(
+        signed_h, block_hashes=BlockHashes(block_size=BLOCK, hashes=[7, 8, 9, 10, 12])))
+    unsigned = _message(h)
+    resized = _message(sign(msgspec.structs.replace(
         h, block_hashes=BlockHashes(block_size=2 * BLOCK, hashes=[1, 2])), key, ttl_s=30))
     for other in (tampered, unsigned, resized):
         assert r.pick(other)[1] == "load"  # the made-up hashes were not looked up
@@ -364,3 +384,37 @@ def test_the_routers_metrics_read_both_tiers(hasher):
     assert values["mmhandoff_router_index_blocks"] == 3
     assert values["mmhandoff_router_index_instances"] == 1
     assert values["mmhandoff_router_prefill_index_blocks"] == 1
+
+
+class _Decode(_Instances):
+    """Decode's generate endpoint: records what each call was given, answers one chunk."""
+
+    def __init__(self, ids):
+        super().__init__(ids)
+        self.got: list = []
+
+    async def direct(self, request, instance_id, context=None):
+        self.got.append((instance_id, request))
+
+        async def stream():
+            yield _Annotated({"token_ids": [1]})
+
+        return stream()
+
+
+def test_the_router_sends_on_the_bytes_it_got_and_reads_an_older_frontends_form(hasher):
+    """The handoff crosses the router as prefill's bytes: decode gets the message unchanged. An
+    older frontend's message (the Handoff's own fields) is routed the same."""
+    h = sign(_typed(_handoff(list(range(100, 121)))), b"k" * 32, ttl_s=30)
+    current, older = _message(h), msgspec.to_builtins(h)
+    decode = _Decode((10, 20, 30))
+    r = Router(decode, hasher=hasher)
+    r.decode.index.stored(20, _blocks(r, current))
+    assert r.pick(older) == (20, "overlap")
+
+    async def through() -> list:
+        return [chunk async for chunk in r.handle(current)]
+
+    assert asyncio.run(through()) == [{"token_ids": [1]}]
+    assert decode.got == [(20, current)]
+    assert handoff_bytes(decode.got[0][1]) == encode_handoff(h)  # the bytes prefill signed

@@ -24,6 +24,7 @@ from mmhandoff.engine.stream import KVCoverageError, collect
 from mmhandoff.frontend.app import Frontend
 from mmhandoff.plane.runtime import endpoint_handler
 from mmhandoff.prefill.worker import ERRORS as PREFILL_ERRORS
+from mmhandoff.prefill.full_media import FullMediaPrefillWorker
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.handoff import (
     DigestMismatch,
@@ -89,7 +90,7 @@ def test_the_full_media_arm_equals_the_handoff_and_gets_the_media(loop):
     request = ask("Full media?", IMAGES[0])
 
     async def full_media():
-        answer = [a async for a in PrefillWorker(prefill.engine, full_media=True).handle(
+        answer = [a async for a in FullMediaPrefillWorker(prefill.engine).handle(
             msgspec.to_builtins(request))]
         typed = msgspec.convert(answer[0], PrefillAnswer)
         assert typed.handoff is None and typed.full_media.images == [PNGS[0]]

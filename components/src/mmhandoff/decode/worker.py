@@ -33,7 +33,7 @@ from mmhandoff.wire.handoff import (
     encode_handoff,
     sign,
 )
-from mmhandoff.wire.messages import DecodeChunk
+from mmhandoff.wire.messages import DecodeChunk, handoff_bytes
 
 __all__ = ["DecodeWorker", "KVCoverageError", "UnsupportedModel", "collect"]
 
@@ -58,7 +58,8 @@ class DecodeWorker:
         self.replays = ReplayGuard()
 
     def admit(self, message: Handoff | bytes) -> tuple[Handoff, int]:
-        """Decode (if bytes) and check a handoff; raise a HandoffError if it is refused."""
+        """Decode and check a handoff (its bytes, as they arrived; in-process callers may give
+        a Handoff); raise a HandoffError if it is refused. Also its size in bytes."""
         wire = encode_handoff(message) if isinstance(message, Handoff) else bytes(message)
         handoff = decode_handoff(wire)  # a Handoff object gets the same checks as bytes
         check_admission(handoff, fingerprint=self.engine.fingerprint, keys=self.keys,
@@ -99,8 +100,9 @@ class DecodeWorker:
                 pass
 
     async def handle(self, request: dict) -> AsyncIterator[dict]:
-        """Dynamo endpoint handler: a handoff in its builtin form in, DecodeChunk dicts out."""
-        async with aclosing(self.generate(msgspec.msgpack.encode(request))) as chunks:
+        """Dynamo endpoint handler: a HandoffMessage in its builtin form in (the bytes prefill
+        signed), DecodeChunk dicts out."""
+        async with aclosing(self.generate(handoff_bytes(request))) as chunks:
             async for chunk in chunks:
                 yield msgspec.to_builtins(chunk)
 

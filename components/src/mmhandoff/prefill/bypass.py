@@ -17,7 +17,7 @@ import msgspec
 
 from mmhandoff.plane.runtime import call_one
 from mmhandoff.wire.handoff import Handoff
-from mmhandoff.wire.messages import KvHeld
+from mmhandoff.wire.messages import HandoffMessage, KvHeld
 
 LOOKUP_S = 2.0  # a router slower than this: prefill as usual
 
@@ -28,8 +28,10 @@ class RouterLookup:
     def __init__(self, client) -> None:
         self.client = client
 
-    async def held(self, handoff: Handoff) -> KvHeld:
-        raw = await call_one(self.client, msgspec.to_builtins(handoff), lost="router_lost",
+    async def held(self, handoff: bytes) -> KvHeld:
+        """`handoff`: its bytes, signed (the router trusts signed block hashes only)."""
+        raw = await call_one(self.client, msgspec.to_builtins(HandoffMessage(handoff)),
+                             lost="router_lost",
                              stall_s=LOOKUP_S)
         return msgspec.convert(raw, KvHeld)
 

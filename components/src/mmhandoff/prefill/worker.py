@@ -26,14 +26,13 @@ import msgspec
 
 from mmhandoff.engine import RELEASE_ON_STOP_KEY, Engine, EngineInputError, Rendered, Step
 from mmhandoff.engine.prompt import InvalidRequest, PromptBuilder
-from mmhandoff.media.images import ImageError, ImageLimits, data_uri_bytes
+from mmhandoff.media.images import ImageError, ImageLimits
 from mmhandoff.plane.endpoints import generate
 from mmhandoff.prefill.bypass import decode_can_answer
 from mmhandoff.prefill.prefixes import image_ends, prefix_blocks
-from mmhandoff.wire.handoff import VERSION, BlockHashes, Handoff, sign
+from mmhandoff.wire.handoff import VERSION, BlockHashes, Handoff, decode_handoff, encode_handoff, sign
 from mmhandoff.wire.messages import (
     FirstToken,
-    FullMediaRequest,
     PrefillAnswer,
     PrefillRequest,
     PrefillStats,
@@ -73,11 +72,14 @@ class PrefillError(RuntimeError):
 
 
 class PrefillWorker:
-    """`full_media=True` is the benchmark arm in which decode gets the media again: the endpoint
-    then answers with a FullMediaRequest (prompt text and image bytes) instead of a Handoff."""
+    """(prefill.full_media has the benchmark arm in which decode gets the media again.)"""
+
+    # prefill's sampled token is the answer's first (unless the request asks for the older
+    # contract); False: decode samples it
+    first_token_here = True
 
     def __init__(self, engine: Engine, *, limits: ImageLimits = ImageLimits(),
-                 full_media: bool = False, key: bytes | None = None,
+                 key: bytes | None = None,
                  ttl_s: float = HANDOFF_TTL_S, router=None, bypass_max_tokens: int = 0,
                  publish_prefixes: Callable[[dict[str, list]], None] | None = None) -> None:
         """`key`: sign every handoff with it, with a nonce and an expiry `ttl_s` from now
@@ -85,7 +87,6 @@ class PrefillWorker:
         skip the engine for a prompt a decode replica can answer from its own cache (bypass)."""
         self.engine = engine
         self.prompts = PromptBuilder(engine, limits)
-        self.full_media = full_media
         self.key, self.ttl_s = key, ttl_s
         self.router, self.bypass_max_tokens = router, bypass_max_tokens
         # what each image key's prefix is in this engine's blocks, for the router's placement
@@ -100,8 +101,7 @@ class PrefillWorker:
         decode (none when that token ended the answer) and the statistics."""
         t0 = time.perf_counter()
         images = await self.prompts.images(request)
-        # the first token is the answer's unless the older contract or the full-media arm
-        first_token = request.first_token and not self.full_media
+        first_token = request.first_token and self.first_token_here
         one_token = first_token and request.sampling.max_tokens == 1
         kv_params = None if one_token else {"do_remote_decode": True,
                                             RELEASE_ON_STOP_KEY: first_token}
@@ -151,12 +151,12 @@ class PrefillWorker:
             return PrefillAnswer(first=first, stats=stats, prompt_logprobs=prompt_lps)
         if not final.kv_transfer_params:
             raise PrefillError(f"prefill of {request.request_id} returned no KV transfer params")
-        if self.full_media:  # decode gets the media, not a handoff: nothing to build or sign
-            return PrefillAnswer(stats=stats, full_media=FullMediaRequest(
-                request_id=request.request_id, prompt=self.prompts.text(request),
-                images=[data_uri_bytes(u, self.prompts.limits) for u in request.image_urls()],
-                kv_transfer_params=final.kv_transfer_params, sampling=request.sampling),
-                prompt_logprobs=prompt_lps)
+        return self._for_decode(request, rendered, final, first, stats, prompt_lps, hashes)
+
+    def _for_decode(self, request: PrefillRequest, rendered: Rendered, final: Step,
+                    first: FirstToken | None, stats: PrefillStats,
+                    prompt_lps: PromptLogprobs | None, hashes: list) -> PrefillAnswer:
+        """The answer with decode's message: the handoff, signed and encoded."""
         handoff = Handoff(
             v=VERSION,
             request_id=request.request_id,
@@ -171,16 +171,21 @@ class PrefillWorker:
             first_token=first.token_id if first is not None else None,
             block_hashes=carried(hashes, self.engine.block_size),
         )
+        return PrefillAnswer(first=first, handoff=self._sealed(handoff), stats=stats,
+                             prompt_logprobs=prompt_lps)
+
+    def _sealed(self, handoff: Handoff) -> bytes:
+        """The handoff's bytes, signed: encoded once, here; every hop carries them as they are."""
         if self.key is not None:
             handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
-        return PrefillAnswer(first=first, handoff=handoff, stats=stats, prompt_logprobs=prompt_lps)
+        return encode_handoff(handoff)
 
-    async def _bypass(self, request: PrefillRequest, rendered: Rendered) -> Handoff | None:
+    async def _bypass(self, request: PrefillRequest, rendered: Rendered) -> bytes | None:
         """The handoff that sends `request` straight to a decode replica holding its KV
         (prefill.bypass), or None: no router, bypass off or not allowed for this request, a
         continued answer, the router away, or no replica holds enough."""
         if (self.router is None or self.bypass_max_tokens <= 0 or not request.allow_bypass
-                or request.continuation or self.full_media
+                or request.continuation
                 or request.prompt_logprobs is not None):  # only this engine computes those
             return None
         handoff = Handoff(
@@ -189,16 +194,15 @@ class PrefillWorker:
             requires_kv=bool(rendered.features.mm_hashes), kv_transfer_params={},
             sampling=request.sampling, cache_salt=request.cache_salt,
             block_hashes=carried(self._hashes(request, rendered), self.engine.block_size))
-        if self.key is not None:  # before the router sees it: it trusts signed hashes only
-            handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
+        sealed = self._sealed(handoff)  # before the router sees it: it trusts signed hashes only
         try:
-            held = await self.router.held(handoff)
+            held = await self.router.held(sealed)
         except Exception as e:  # the router is a hint: without it, prefill as usual
             log.warning(f"[prefill] router lookup failed ({e!r}): prefilling")
             return None
         if not decode_can_answer(handoff, held, self.engine.block_size, self.bypass_max_tokens):
             return None
-        return handoff
+        return sealed
 
     def _hashes(self, request: PrefillRequest, rendered: Rendered) -> list:
         """The engine's hashes of the prompt's full blocks (what routers look up)."""
@@ -218,8 +222,6 @@ class PrefillWorker:
     async def _render(self, request: PrefillRequest, images) -> Rendered:
         rendered = await self.prompts.render(request, images)
         if request.continuation:
-            if self.full_media:  # its decode renders the prompt text again: it would be lost
-                raise PrefillError("the full-media arm does not continue an answer")
             rendered = self.engine.extend(rendered, request.continuation)
         return rendered
 
@@ -254,33 +256,8 @@ class PrefillWorker:
         answer = await self.prefill(request)
         if answer.handoff is None:
             raise PrefillError(f"the answer to {request.request_id} ended at its first token")
-        return answer.handoff, answer.stats
+        return decode_handoff(answer.handoff), answer.stats
 
 
 ENDPOINT = generate("prefill")
 ERRORS = (ImageError, InvalidRequest, EngineInputError, PrefillError)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from mmhandoff.process.engine_worker import run
-
-    async def make_worker(engine, context):
-        args = context.args
-        key = args.handoff_keys[0] if args.handoff_keys else None  # the first key signs
-        router = None
-        if args.router != "none" and args.bypass_max_tokens > 0:
-            from mmhandoff.plane.endpoints import HELD, beside
-            from mmhandoff.prefill.bypass import RouterLookup
-
-            router = RouterLookup(await (
-                context.rt.endpoint(f"{args.namespace}.{beside(args.router, HELD)}").client()))
-        return PrefillWorker(engine, full_media=args.full_media, key=key, router=router,
-                             ttl_s=handoff_ttl(args.kv_lease_s),
-                             bypass_max_tokens=args.bypass_max_tokens,
-                             publish_prefixes=context.publish_prefixes)
-
-    return run("prefill", "prefill", ENDPOINT, make_worker, ERRORS, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -40,8 +40,8 @@ from mmhandoff.plane.runtime import RemoteError, call, error_envelope
 from mmhandoff.router.prefix_table import PrefixTable
 from mmhandoff.router.scorers import SCORERS, Candidates
 from mmhandoff.router.tier import Tier
-from mmhandoff.wire.handoff import Handoff, HandoffError, authentic, handoff_from_builtins
-from mmhandoff.wire.messages import KvHeld, Placement, PlaceRequest
+from mmhandoff.wire.handoff import Handoff, HandoffError, authentic, decode_handoff
+from mmhandoff.wire.messages import KvHeld, Placement, PlaceRequest, handoff_bytes
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +79,15 @@ class Router:
         self.lookups = 0  # router.held calls (prefill's bypass)
         self.hashed_by: Counter[str] = Counter()  # "prefill" (carried) or "router"
 
-    def pick(self, handoff: dict) -> tuple[int | None, str]:
-        """(decode instance, reason) for this handoff; instance None = Dynamo's round robin."""
+    def pick(self, message: dict) -> tuple[int | None, str]:
+        """(decode instance, reason) for this message (a HandoffMessage in builtin form);
+        instance None = Dynamo's round robin."""
         live = self.decode.live()
         if self.policy == "round_robin" or len(live) < 2:
             return None, "round_robin"
         if self.policy == "random":
             return self._random.choice(live), "random"
-        parsed = self._hashed(handoff)
+        parsed = self._hashed(message)
         if parsed is None:  # decode refuses it with the typed error; any replica will do
             return None, "unparsed"
         h, hashes = parsed
@@ -138,11 +139,11 @@ class Router:
         self._turns[tier.name] += 1
         return choice, overlap.get(choice, 0)
 
-    def held(self, handoff: dict) -> KvHeld:
+    def held(self, message: dict) -> KvHeld:
         """The live decode instance holding most of the handoff's leading blocks (for prefill's
         bypass: prefill.bypass), by the same index and hashes as `pick`."""
         live = self.decode.live()
-        parsed = self._hashed(handoff) if self.policy == "kv" and live else None
+        parsed = self._hashed(message) if self.policy == "kv" and live else None
         if parsed is None:
             return KvHeld()
         hashes = parsed[1]
@@ -151,10 +152,11 @@ class Router:
         held = overlap.get(best, 0)
         return KvHeld(instance=best if held else None, blocks_held=held, blocks=len(hashes))
 
-    def _hashed(self, handoff: dict) -> tuple[Handoff, list] | None:
-        """The handoff and its blocks' hashes (the engines'), or None if decode would refuse it."""
+    def _hashed(self, message: dict) -> tuple[Handoff, list] | None:
+        """The handoff (decoded from its bytes, which go on to decode as they came) and its
+        blocks' hashes (the engines'), or None if decode would refuse it."""
         try:
-            h = handoff_from_builtins(handoff)
+            h = decode_handoff(handoff_bytes(message))
         except HandoffError:
             return None
         carried = h.block_hashes
@@ -165,9 +167,9 @@ class Router:
         self.hashed_by["router"] += 1
         return h, self.hasher.of_handoff(h)
 
-    async def handle_held(self, handoff: dict) -> AsyncIterator[dict[str, Any]]:
+    async def handle_held(self, message: dict) -> AsyncIterator[dict[str, Any]]:
         self.lookups += 1
-        yield msgspec.to_builtins(self.held(handoff))
+        yield msgspec.to_builtins(self.held(message))
 
     async def handle_place(self, request: dict) -> AsyncIterator[dict[str, Any]]:
         t0 = time.perf_counter()
@@ -179,15 +181,15 @@ class Router:
         self.placements[placement.reason] += 1
         yield msgspec.to_builtins(placement)
 
-    async def handle(self, handoff: dict) -> AsyncIterator[dict[str, Any]]:
+    async def handle(self, message: dict) -> AsyncIterator[dict[str, Any]]:
         t0 = time.perf_counter()
-        instance, reason = self.pick(handoff)
+        instance, reason = self.pick(message)
         self.decision_s_total += time.perf_counter() - t0
         self.decisions[reason] += 1
         if instance is not None:
             self.in_flight[instance] += 1
         try:
-            async for chunk in call(self.decode.client, handoff, instance, lost="decode_failed"):
+            async for chunk in call(self.decode.client, message, instance, lost="decode_failed"):
                 yield chunk
         except RemoteError as e:  # decode's typed error goes back to the caller as it came
             yield error_envelope(e)

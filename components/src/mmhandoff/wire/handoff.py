@@ -27,106 +27,39 @@ from typing import Annotated, Any, Sequence
 
 import msgspec
 
+from mmhandoff.wire import legacy
+from mmhandoff.wire.errors import (  # noqa: F401  (re-exported: the errors are part of this API)
+    HandoffError,
+    MalformedHandoff,
+    UnsupportedVersion,
+    PayloadPresent,
+    EmptyHash,
+    FeatureMismatch,
+    SpanOutOfRange,
+    SpanReachesFinalToken,
+    KVRequired,
+    UnsupportedRequest,
+    FingerprintMismatch,
+    DigestMismatch,
+    Unsigned,
+    Expired,
+    Replayed,
+    PositionStateMissing,
+    PositionStateUnexpected,
+    PositionStateMismatch,
+    KVMismatch,
+)
+
 # 2: `first_token`, prefill's sampled token, which the client already has; decode continues
 # after it. 3: sampling's `min_p`, penalties, `min_tokens` and stop strings (SAMPLING_V3).
 # 4: sampling's `structured` (structured outputs). 5: features' `mm_grids` (M-RoPE position
 # state) and sampling's `logit_bias`. 6: `block_hashes`, the prompt's prefix-cache block hashes
 # as prefill's engine computes them (the router looks them up instead of hashing again).
-# Older versions (1: no first token, decode samples it) stay readable, so a decode tier upgraded
-# first keeps taking an older prefill's handoffs; an older decode refuses a newer one by version.
+# Older versions (1: no first token, decode samples it) stay readable (mmhandoff.wire.legacy), so
+# a decode tier upgraded first keeps taking an older prefill's handoffs; an older decode refuses a
+# newer one by version.
 VERSION = 6
 SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5, VERSION})
-
-
-# ---- errors: one type per admission rule -------------------------------------------------------
-class HandoffError(ValueError):
-    """A handoff the decode tier refuses. `code` is stable and safe to show to a client."""
-
-    code = "invalid_handoff"
-    # The client never sends a handoff: prefill made it, so a refused one is our fault.
-    fault = "server"
-
-
-class MalformedHandoff(HandoffError):
-    code = "malformed"
-
-
-class UnsupportedVersion(HandoffError):
-    code = "unsupported_version"
-
-
-class PayloadPresent(HandoffError):
-    code = "payload_present"
-
-
-class EmptyHash(HandoffError):
-    code = "empty_hash"
-
-
-class FeatureMismatch(HandoffError):
-    code = "feature_mismatch"
-
-
-class SpanOutOfRange(HandoffError):
-    code = "span_out_of_range"
-
-
-class SpanReachesFinalToken(HandoffError):
-    code = "span_reaches_final_token"
-
-
-class KVRequired(HandoffError):
-    code = "kv_required"
-
-
-class UnsupportedRequest(HandoffError):
-    code = "unsupported_request"
-
-
-class FingerprintMismatch(HandoffError):
-    code = "fingerprint_mismatch"
-
-
-class DigestMismatch(HandoffError):
-    code = "digest_mismatch"
-
-
-class Unsigned(HandoffError):
-    code = "unsigned"
-
-
-class Expired(HandoffError):
-    code = "expired"
-
-
-class Replayed(HandoffError):
-    code = "replayed"
-
-
-class PositionStateMissing(HandoffError):
-    """The model derives positions from each image's grid and the handoff carries none."""
-
-    code = "position_state_missing"
-
-
-class PositionStateUnexpected(HandoffError):
-    """Grids for a model whose positions do not depend on them."""
-
-    code = "position_state_unexpected"
-
-
-class PositionStateMismatch(HandoffError):
-    """A grid that does not fit its item: another item count, a non-positive or multi-frame
-    grid, or one whose merged size is not the item's placeholder length."""
-
-    code = "position_state_mismatch"
-
-
-class KVMismatch(HandoffError):
-    """The KV blocks the handoff names do not match its token ids (checked by the engine
-    adapter, which knows the block size and the connector's parameters)."""
-
-    code = "kv_mismatch"
 
 
 # ---- wire types ---------------------------------------------------------------------------------
@@ -243,21 +176,7 @@ class Sampling(_Strict):
                     or self.structured)
 
 
-# Sampling's fields that version 3 added: an older handoff has them at their defaults.
-SAMPLING_V3 = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-               "min_tokens", "stop", "include_stop_str_in_output")
 _DEFAULT_SAMPLING = Sampling()
-
-# Fields added since version 4, each appended at the end of its struct and None by default,
-# with the version that added it. An older handoff has them at None (`check_structure` refuses
-# it otherwise), and its prefill signed it without them, so its MAC leaves them out: a decode
-# tier upgraded first keeps verifying an older prefill's signatures. (Up to version 3, fields
-# were not all appended: signatures of version 1-2 prefills do not verify at a version 3 or
-# later decode.)
-FIELDS_SINCE: dict[tuple[str, ...], int] = {("sampling", "structured"): 4,
-                                             ("features", "mm_grids"): 5,
-                                             ("sampling", "logit_bias"): 5,
-                                             ("block_hashes",): 6}
 
 
 class Handoff(_Strict):
@@ -328,14 +247,6 @@ def decode_handoff(data: bytes) -> Handoff:
     return _typed(version, lambda: _decoder.decode(data))
 
 
-def handoff_from_builtins(message: Any) -> Handoff:
-    """As `decode_handoff`, for a message already decoded into Python objects (what a Dynamo
-    handler is given): the same rules, without encoding it again (3x faster for 8k tokens)."""
-    if not isinstance(message, dict):
-        raise MalformedHandoff(f"expected a map, got {type(message).__name__}")
-    return _typed(message.get("v"), lambda: msgspec.convert(message, Handoff))
-
-
 def _typed(version: Any, decode) -> Handoff:
     """The handoff `decode()` gives, its version first checked, every failure a HandoffError."""
     # `v` may decode to anything (a map, a list: unhashable); only an int names a version
@@ -403,16 +314,8 @@ def check_structure(h: Handoff) -> None:
         raise MalformedHandoff("sampling.max_tokens must be at least 1")
     if not 0 <= h.sampling.min_tokens <= h.sampling.max_tokens:
         raise MalformedHandoff("sampling.min_tokens must be in [0, max_tokens]")
-    if h.v < 3 and any(getattr(h.sampling, f) != getattr(_DEFAULT_SAMPLING, f)
-                       for f in SAMPLING_V3):
-        raise MalformedHandoff(f"{', '.join(SAMPLING_V3)} need handoff version 3")
-    for *parents, name in (path for path, version in FIELDS_SINCE.items() if h.v < version):
-        node = h
-        for parent in parents:
-            node = getattr(node, parent)
-        if getattr(node, name) is not None:  # each such field defaults to None
-            raise MalformedHandoff(f"{'.'.join((*parents, name))} needs handoff version "
-                                   f"{FIELDS_SINCE[(*parents, name)]}")
+    if h.v < VERSION:
+        legacy.check_older(h, _DEFAULT_SAMPLING)
     if h.block_hashes is not None:
         size, hashes = h.block_hashes.block_size, h.block_hashes.hashes
         if size < 1 or len(hashes) != n // size:
@@ -505,6 +408,9 @@ def sign(h: Handoff, key: bytes = b"", *, ttl_s: float | None = None,
          now: float | None = None) -> Handoff:
     """Return `h` with its digest set (HMAC-SHA256 with `key`; an empty key is a checksum).
     With `ttl_s`, it also gets a fresh nonce and expires `ttl_s` from `now`."""
+    # what every reader will decode (an int given for a float field arrives as a float): the MAC
+    # is checked on the decoded message, so it is computed on the same
+    h = _decoder.decode(_encoder.encode(h))
     if ttl_s is not None:
         h = msgspec.structs.replace(h, nonce=secrets.token_hex(16),
                                     expires_at=(time.time() if now is None else now) + ttl_s)
@@ -537,15 +443,5 @@ class ReplayGuard:
 
 def _mac(h: Handoff, key: bytes) -> str:
     unsigned = msgspec.structs.replace(h, digest=None)
-    newer = [path for path, version in FIELDS_SINCE.items() if h.v < version]
-    if not newer:
-        body = _encoder.encode(unsigned)
-    else:  # the message as its older prefill encoded it (same map order, bytes as bytes)
-        builtins = msgspec.to_builtins(unsigned, builtin_types=(bytes, bytearray))
-        for *parents, name in newer:
-            node = builtins
-            for parent in parents:
-                node = node[parent]
-            node.pop(name, None)
-        body = _encoder.encode(builtins)
-    return hmac.new(key, body, hashlib.sha256).hexdigest()
+    body = legacy.signed_body(unsigned) if h.v < VERSION else None
+    return hmac.new(key, body or _encoder.encode(unsigned), hashlib.sha256).hexdigest()

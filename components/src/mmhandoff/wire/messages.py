@@ -6,7 +6,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from mmhandoff.wire.handoff import Handoff, Sampling
+from mmhandoff.wire import legacy
+from mmhandoff.wire.handoff import MalformedHandoff, Sampling
 
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
@@ -134,11 +135,13 @@ class FirstToken(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class PrefillAnswer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What prefill.generate answers: the answer's first token (unless the request asked decode
     to sample it), the message for decode (exactly one of them, none when the answer ended at
-    the first token) and prefill's statistics. `full_media` is the benchmark arm in which decode
-    gets the media again."""
+    the first token) and prefill's statistics. `handoff` is the Handoff as prefill encoded and
+    signed it (mmhandoff.wire.handoff.encode_handoff): it travels to decode as these bytes, which
+    the frontend never decodes. `full_media` is the benchmark arm in which decode gets the media
+    again."""
 
     first: FirstToken | None = None
-    handoff: Handoff | None = None
+    handoff: bytes | None = None
     full_media: FullMediaRequest | None = None
     stats: PrefillStats
     prompt_logprobs: PromptLogprobs | None = None  # when the request asked
@@ -154,8 +157,33 @@ class PrefillAnswer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.handoff is not None or self.full_media is not None
 
     def for_decode(self) -> dict[str, Any]:
-        """The message for decode, in the builtin form the Dynamo endpoint carries."""
-        return msgspec.to_builtins(self.handoff or self.full_media)
+        """The message for decode (through the router, if any), in the builtin form the Dynamo
+        endpoint carries."""
+        if self.handoff is not None:
+            return msgspec.to_builtins(HandoffMessage(handoff=self.handoff))
+        return msgspec.to_builtins(self.full_media)
+
+
+class HandoffMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """What decode's and the router's endpoints take (the router's `held` lookup too): the
+    handoff's bytes as prefill signed them, unchanged on every hop (base64 text in the JSON
+    Dynamo carries). Whoever needs its fields decodes them, strictly, from these bytes
+    (`handoff_bytes`, then mmhandoff.wire.handoff.decode_handoff); nobody encodes it again."""
+
+    handoff: bytes
+
+
+def handoff_bytes(message: Any) -> bytes:
+    """The handoff's bytes in an endpoint's message (a HandoffMessage in builtin form). A map
+    without `handoff` is the form older frontends send (the Handoff's own fields): it is encoded
+    here (mmhandoff.wire.legacy) and decoding it gives the Handoff's own errors. Anything else
+    raises MalformedHandoff."""
+    if isinstance(message, dict) and "handoff" not in message:
+        return legacy.encode_builtin_handoff(message)
+    try:
+        return msgspec.convert(message, HandoffMessage).handoff
+    except msgspec.ValidationError as e:
+        raise MalformedHandoff(f"not a handoff message: {e}") from None
 
 
 class DecodeStats(msgspec.Struct, kw_only=True):
