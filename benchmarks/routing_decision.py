@@ -5,7 +5,7 @@ and the replica with the longest cached prefix picked (`Router.pick`, the router
 
 Arms, on the same prompts and the same index contents:
 - carried:   the handoff carries prefill's block hashes, signed (what prefill sends): the router
-             decodes the handoff, verifies its HMAC, looks the hashes up and picks;
+             decodes the handoff's bytes, verifies its HMAC, looks the hashes up and picks;
 - hashed:    the same handoff without them: the router hashes the prompt with BlockHasher (vLLM's
              own hasher: sha256 over pickled blocks, image identities in the keys), then the same;
 - dynamo:    dynamo.llm's compute_block_hash_for_seq (xxh3 over token bytes, in Rust) +
@@ -63,7 +63,17 @@ def main(args) -> None:
 
     from mmhandoff.router.router import Router
     from mmhandoff.vllm_adapter.block_hashes import BlockHasher
-    from mmhandoff.wire.handoff import VERSION, BlockHashes, Features, Handoff, Sampling, Span, sign
+    from mmhandoff.wire.handoff import (
+        VERSION,
+        BlockHashes,
+        Features,
+        Handoff,
+        Sampling,
+        Span,
+        encode_handoff,
+        sign,
+    )
+    from mmhandoff.wire.messages import HandoffMessage
 
     try:
         from dynamo.llm import RadixTree, compute_block_hash_for_seq
@@ -74,7 +84,8 @@ def main(args) -> None:
     key = b"k" * 32
 
     def handoffs(tokens, images, hashes) -> tuple[dict, dict]:
-        """(signed with prefill's hashes, the same without them) as the router receives them"""
+        """(signed with prefill's hashes, the same without them) as the router receives them:
+        their bytes, base64 in the map Dynamo hands the handler"""
         h = Handoff(v=VERSION, request_id="bench", model_fingerprint="f" * 64, token_ids=tokens,
                     features=Features(mm_hashes={"image": [i for i, _, _ in images]},
                                       mm_placeholders={"image": [Span(offset=o, length=n)
@@ -83,8 +94,8 @@ def main(args) -> None:
                     sampling=Sampling())
         carrying = msgspec.structs.replace(h, block_hashes=BlockHashes(block_size=BLOCK,
                                                                         hashes=hashes))
-        return (msgspec.to_builtins(sign(carrying, key, ttl_s=3600)),
-                msgspec.to_builtins(sign(h, key, ttl_s=3600)))
+        return tuple(msgspec.to_builtins(HandoffMessage(encode_handoff(sign(m, key, ttl_s=3600))))
+                     for m in (carrying, h))
 
     print(f"{'tokens':>6} {'images':>6} {'replicas':>8} | {'carried p50':>11} {'p99':>5} | "
           f"{'hashed p50':>10} {'p99':>5} | {'dynamo p50':>10} {'p99':>5} | carried p99 / "

@@ -74,7 +74,8 @@ def handoff_answer(rid="r", prompt_tokens=3, first: FirstToken | None = None) ->
     stats = PrefillStats(images=0, image_bytes=0, prompt_tokens=prompt_tokens, prepare_ms=1.0,
                          prefill_ms=2.0)
     ended = first is not None and first.finish_reason is not None
-    return msgspec.to_builtins(PrefillAnswer(first=first, handoff=None if ended else encode_handoff(h),
+    return msgspec.to_builtins(PrefillAnswer(first=first,
+                                             handoff=None if ended else encode_handoff(h),
                                              stats=stats))
 
 

@@ -41,6 +41,7 @@ from mmhandoff.wire.handoff import (
     check_admission,
     decode_handoff,
     encode_handoff,
+    routing_view,
     sign,
 )
 
@@ -89,7 +90,8 @@ def handoffs(draw):
 def test_round_trip_is_lossless(h):
     assert decode_handoff(encode_handoff(h)) == h
     assert decode_handoff(handoff_bytes(msgspec.to_builtins(h))) == h  # an older frontend's form
-    assert decode_handoff(handoff_bytes(msgspec.to_builtins(HandoffMessage(encode_handoff(h))))) == h
+    message = msgspec.to_builtins(HandoffMessage(encode_handoff(h)))  # as the router gets it
+    assert decode_handoff(handoff_bytes(message)) == h
     check_admission(h, fingerprint=FP, grid_merge=None if h.features.mm_grids is None else 2)
 
 
@@ -407,3 +409,24 @@ def test_a_signed_handoff_verifies_as_its_readers_decode_it():
     received = decode_handoff(encode_handoff(h))
     assert type(received.sampling.temperature) is float
     check_admission(received, fingerprint=FP, keys=[key])
+
+
+@settings(max_examples=100, deadline=None)
+@given(handoffs())
+def test_the_routing_view_is_the_message_without_its_token_ids_decoded(h):
+    """A router reads a handoff that carries its block hashes without decoding its token ids:
+    the view encodes to the very bytes it came from, so its signature verifies exactly when the
+    whole message's does."""
+    key = b"k" * 32
+    signed = sign(msgspec.structs.replace(h, v=VERSION), key, ttl_s=30)
+    wire = encode_handoff(signed)
+    view = routing_view(wire)
+    if signed.block_hashes is None:
+        assert view is None  # nothing to route by without decoding it whole
+        return
+    assert msgspec.msgpack.encode(view) == wire
+    assert (view.block_hashes, view.kv_transfer_params) == (signed.block_hashes,
+                                                            signed.kv_transfer_params)
+    assert authentic(view, [key]) and not authentic(view, [b"o" * 32])
+    forged = msgspec.structs.replace(view, block_hashes=BlockHashes(block_size=1, hashes=[]))
+    assert not authentic(forged, [key])

@@ -91,3 +91,23 @@ def test_a_local_file_is_decoded_each_time(tmp_path):
     for _ in range(2):
         (image,), _ = _render(builder, _request(str(path)))
         assert image.image is not None
+
+
+def test_a_requests_images_are_prepared_side_by_side_in_prompt_order(monkeypatch):
+    """Each image is loaded in its own worker thread: two loads that wait for each other (a
+    barrier of two) finish only if they run at the same time. The images keep their order."""
+    import threading
+
+    meet = threading.Barrier(2, timeout=30)
+    load = prompt_module.load_image_ref
+
+    def side_by_side(ref, limits):
+        meet.wait()  # raises BrokenBarrierError if the other load never starts
+        return load(ref, limits)
+
+    monkeypatch.setattr(prompt_module, "load_image_ref", side_by_side)
+    images = [make_image(64, 48, 7), make_image(48, 64, 8)]
+    loaded, _ = _render(PromptBuilder(FakeEngine(role="prefill")),
+                        _request(*(data_uri(encode(i)) for i in images)))
+    assert [i.content_hash for i in loaded] == [decode_image(encode(i)).content_hash
+                                                 for i in images]

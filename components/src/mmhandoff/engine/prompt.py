@@ -54,10 +54,12 @@ class PromptBuilder:
         return self.engine.chat_prompt(conversation(request.messages))
 
     async def images(self, request: PrefillRequest, *, decode: bool = False) -> list[LoadedImage]:
-        """The request's images, off the event loop (decoding is CPU work); one whose data URI
-        was decoded before comes without pixels, unless `decode`."""
-        refs = request.image_urls()
-        return await asyncio.to_thread(lambda: [self._load(r, decode) for r in refs])
+        """The request's images, off the event loop and each in its own worker thread (decoding
+        and hashing release the GIL: a request's images are prepared side by side, as are
+        concurrent requests'); one whose data URI was decoded before comes without pixels,
+        unless `decode`."""
+        return list(await asyncio.gather(*(asyncio.to_thread(self._load, ref, decode)
+                                           for ref in request.image_urls())))
 
     async def render(self, request: PrefillRequest, images: list[LoadedImage]) -> Rendered:
         """The engine's render of the request's prompt with `images` (from `images`)."""

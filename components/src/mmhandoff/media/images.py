@@ -2,21 +2,25 @@
 
 An image's identity is a hash of its decoded pixels (mode, size, RGB bytes), not of the bytes it
 arrived as: the same picture sent as PNG, as a data URI or from a file gets one identity, so its
-KV blocks are shared across requests and the router can find them.
+KV blocks are shared across requests and the router can find them. The hash is BLAKE3 (the
+`blake3` package, already a dependency for the decode memo): about half SHA-256's time on a
+12 MP image's 36 MB on one core, and it spreads over the host's cores.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
 
+from blake3 import blake3
 from PIL import Image, UnidentifiedImageError
 
-HASH_DOMAIN = b"mmhandoff.image.v1\0"
+# v2: BLAKE3 (v1 was SHA-256). Another domain, so that no identity of one scheme equals one of the
+# other: replicas of two versions only miss each other's cache.
+HASH_DOMAIN = b"mmhandoff.image.v2\0"
 
 
 class ImageError(ValueError):
@@ -46,7 +50,7 @@ class LoadedImage:
 
 def content_hash(image: Image.Image) -> str:
     rgb = image if image.mode == "RGB" else image.convert("RGB")
-    h = hashlib.sha256(HASH_DOMAIN)
+    h = blake3(HASH_DOMAIN, max_threads=blake3.AUTO)
     h.update(f"{rgb.width}x{rgb.height}\0".encode())
     h.update(rgb.tobytes())
     return h.hexdigest()

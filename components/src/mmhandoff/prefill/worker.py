@@ -30,7 +30,14 @@ from mmhandoff.media.images import ImageError, ImageLimits
 from mmhandoff.plane.endpoints import generate
 from mmhandoff.prefill.bypass import decode_can_answer
 from mmhandoff.prefill.prefixes import image_ends, prefix_blocks
-from mmhandoff.wire.handoff import VERSION, BlockHashes, Handoff, decode_handoff, encode_handoff, sign
+from mmhandoff.wire.handoff import (
+    VERSION,
+    BlockHashes,
+    Handoff,
+    decode_handoff,
+    encode_handoff,
+    sign,
+)
 from mmhandoff.wire.messages import (
     FirstToken,
     PrefillAnswer,
@@ -72,7 +79,9 @@ class PrefillError(RuntimeError):
 
 
 class PrefillWorker:
-    """(prefill.full_media has the benchmark arm in which decode gets the media again.)"""
+    """A chat request in, the answer's first token and the signed handoff's bytes out (see the
+    module's docstring). The benchmark arm in which decode gets the media again subclasses it
+    (prefill.full_media)."""
 
     # prefill's sampled token is the answer's first (unless the request asks for the older
     # contract); False: decode samples it

@@ -40,7 +40,7 @@ from mmhandoff.plane.runtime import RemoteError, call, error_envelope
 from mmhandoff.router.prefix_table import PrefixTable
 from mmhandoff.router.scorers import SCORERS, Candidates
 from mmhandoff.router.tier import Tier
-from mmhandoff.wire.handoff import Handoff, HandoffError, authentic, decode_handoff
+from mmhandoff.wire.handoff import HandoffError, authentic, decode_handoff, routing_view
 from mmhandoff.wire.messages import KvHeld, Placement, PlaceRequest, handoff_bytes
 
 log = logging.getLogger(__name__)
@@ -152,18 +152,23 @@ class Router:
         held = overlap.get(best, 0)
         return KvHeld(instance=best if held else None, blocks_held=held, blocks=len(hashes))
 
-    def _hashed(self, message: dict) -> tuple[Handoff, list] | None:
-        """The handoff (decoded from its bytes, which go on to decode as they came) and its
-        blocks' hashes (the engines'), or None if decode would refuse it."""
+    def _hashed(self, message: dict) -> tuple[Any, list] | None:
+        """The handoff (read from its bytes, which go on to decode as they came) and its blocks'
+        hashes (the engines'), or None if decode would refuse it. An authentic handoff with
+        prefill's hashes is read without its token ids (wire.handoff.routing_view)."""
         try:
-            h = decode_handoff(handoff_bytes(message))
+            wire = handoff_bytes(message)
         except HandoffError:
             return None
-        carried = h.block_hashes
-        if (carried is not None and carried.block_size == self.hasher.block_size
-                and authentic(h, self.keys)):
+        view = routing_view(wire)
+        if (view is not None and view.block_hashes.block_size == self.hasher.block_size
+                and authentic(view, self.keys)):
             self.hashed_by["prefill"] += 1
-            return h, carried.hashes
+            return view, view.block_hashes.hashes
+        try:
+            h = decode_handoff(wire)
+        except HandoffError:
+            return None
         self.hashed_by["router"] += 1
         return h, self.hasher.of_handoff(h)
 

@@ -222,9 +222,19 @@ class _Envelope(msgspec.Struct):
     v: Any = None
 
 
+# The Handoff with its token ids kept as they came (msgspec.Raw, not decoded into ints): the same
+# fields in the same order, so encoding it gives the bytes it was decoded from.
+RoutingView = msgspec.defstruct(
+    "RoutingView",
+    [(f.name, msgspec.Raw if f.name == "token_ids" else f.type,
+      *(() if f.default is msgspec.NODEFAULT else (f.default,)))
+     for f in msgspec.structs.fields(Handoff)],
+    kw_only=True, forbid_unknown_fields=True, module=__name__)
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Handoff)
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+_view_decoder = msgspec.msgpack.Decoder(RoutingView)
 
 # Field names under `features` that would carry media; all unknown fields are refused, these get
 # the more precise error.
@@ -241,34 +251,51 @@ def decode_handoff(data: bytes) -> Handoff:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise MalformedHandoff(f"expected bytes, got {type(data).__name__}")
     try:
-        version = _envelope_decoder.decode(data).v
+        handoff = _decoder.decode(data)  # one pass in the common case
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise MalformedHandoff(f"not a handoff message: {e}") from None
-    return _typed(version, lambda: _decoder.decode(data))
-
-
-def _typed(version: Any, decode) -> Handoff:
-    """The handoff `decode()` gives, its version first checked, every failure a HandoffError."""
-    # `v` may decode to anything (a map, a list: unhashable); only an int names a version
-    if type(version) is not int or version not in SUPPORTED_VERSIONS:
-        raise UnsupportedVersion(
-            f"handoff version {version!r} is not supported (supported: {sorted(SUPPORTED_VERSIONS)})")
-    try:
-        handoff = decode()
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        if "unknown field" in msg and "$.features" in msg and any(
-            hint in msg.lower() for hint in _PAYLOAD_HINTS
-        ):
-            raise PayloadPresent(f"the handoff must carry no media payload: {msg}") from None
-        if "unknown field" in msg and "$.features" in msg:
-            raise PayloadPresent(
-                f"features may hold only hashes, placeholders and grids: {msg}") from None
-        raise MalformedHandoff(msg) from None
-    except msgspec.DecodeError as e:
-        raise MalformedHandoff(f"not a handoff message: {e}") from None
+        raise _refusal(data, e) from None
+    _check_version(handoff.v)
     check_structure(handoff)
     return handoff
+
+
+def routing_view(data: bytes) -> Any | None:
+    """What a router reads of a current handoff that carries its block hashes, without decoding
+    its token ids (most of the message's decoding time): a RoutingView whose `authentic` is the
+    full message's (its encoding is the bytes it came as). None for anything else (an older
+    version, no block hashes, not a handoff): decode it whole. Not checked beyond its types:
+    only for a hint; decode checks the handoff itself."""
+    try:
+        view = _view_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return view if view.v == VERSION and view.block_hashes is not None else None
+
+
+def _check_version(version: Any) -> None:
+    # `v` may decode to anything (a map, a list: unhashable); only an int names a version
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersion(f"handoff version {version!r} is not supported (supported: "
+                                 f"{sorted(SUPPORTED_VERSIONS)})")
+
+
+def _refusal(data: bytes, e: Exception) -> HandoffError:
+    """The error for a message the typed decoder refused: its version first (a newer handoff's
+    new fields are not malformed, they are another version's), then what was wrong."""
+    try:
+        _check_version(_envelope_decoder.decode(data).v)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return MalformedHandoff(f"not a handoff message: {e}")
+    except UnsupportedVersion as refused:
+        return refused
+    msg = str(e)
+    if not isinstance(e, msgspec.ValidationError):  # (a DecodeError, of which it is a kind)
+        return MalformedHandoff(f"not a handoff message: {msg}")
+    if "unknown field" in msg and "$.features" in msg:
+        if any(hint in msg.lower() for hint in _PAYLOAD_HINTS):
+            return PayloadPresent(f"the handoff must carry no media payload: {msg}")
+        return PayloadPresent(f"features may hold only hashes, placeholders and grids: {msg}")
+    return MalformedHandoff(msg)
 
 
 def check_structure(h: Handoff) -> None:
