@@ -16,34 +16,33 @@ pytestmark = pytest.mark.unit
 PROBE = r"""
 import ctypes, sys
 libc = ctypes.CDLL(None, use_errno=True)
-mask = ctypes.c_uint64(0)
-if libc.syscall(158, 0x1022, ctypes.byref(mask)) != 0:  # SYS_arch_prctl, ARCH_GET_XCOMP_PERM
-    sys.exit("arch_prctl failed")
-XTILEDATA = 1 << 18
-before = bool(mask.value & XTILEDATA)
+
+def permitted():
+    mask = ctypes.c_uint64(0)
+    if libc.syscall(158, 0x1022, ctypes.byref(mask)) != 0:  # SYS_arch_prctl, ARCH_GET_XCOMP_PERM
+        sys.exit("arch_prctl failed")
+    return bool(mask.value & (1 << 18))  # XTILEDATA
+
+before = permitted()
 import torch
 amx = torch.cpu._is_amx_tile_supported()
-if sys.argv[1] == "plugin":
-    from mmhandoff.vllm_adapter.plugins import amx as plugin
-    plugin.install()
-libc.syscall(158, 0x1022, ctypes.byref(mask))
-print(amx, before, bool(mask.value & XTILEDATA))
+with_torch = permitted()
+from mmhandoff.vllm_adapter.plugins import amx as plugin
+plugin.install()
+print(amx, before, with_torch, permitted())
 """
-
-
-def _probe(mode: str) -> tuple[bool, bool, bool]:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return tuple(w == "True" for w in out.stdout.split())
 
 
 @pytest.mark.skipif(sys.platform != "linux" or __import__("platform").machine() != "x86_64",
                     reason="AMX and arch_prctl are x86-64 Linux")
 def test_the_plugin_grants_amx_where_the_cpu_has_it():
-    amx, before, after_nothing = _probe("none")
-    assert not before and not after_nothing  # a fresh process starts without the permission
-    amx, before, after_plugin = _probe("plugin")
+    """In one fresh process: no permission at start nor after importing torch; after the plugin,
+    exactly where the CPU has AMX."""
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    amx, before, with_torch, after_plugin = (w == "True" for w in out.stdout.split())
+    assert not before and not with_torch
     assert after_plugin == amx  # granted exactly where the CPU has AMX; elsewhere a no-op
 
 
