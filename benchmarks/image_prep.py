@@ -6,7 +6,7 @@ with the model's own image processor (LLaVA-1.5-7B's: CLIP at 336 px).
 
 Steps, in the order a request takes them today (media.images, engine.prompt, vLLM's renderer):
 - base64: the data URI's body checked and decoded (`data_uri_bytes`);
-- decode: PIL's full decode to RGB (`Image.open(...).convert("RGB")`);
+- decode: PIL's full decode to RGB (`decode_rgb`);
 - hash: the image's identity, BLAKE3 (all cores) over its RGB pixels (`content_hash`; SHA-256
   until 2026-12-06);
 - process: the model's image processor on the decoded image, as vLLM calls it (the torchvision
@@ -83,13 +83,13 @@ def one(name: str, data: bytes, fmt: str, procs, reps: int) -> dict:
     import blake3
     from PIL import Image
 
-    from mmhandoff.media.images import content_hash, data_uri_bytes
+    from mmhandoff.media.images import content_hash, data_uri_bytes, decode_rgb
 
     default, pil = procs
     uri = f"data:image/{fmt.lower()};base64," + base64.b64encode(data).decode()
     row = {"image": name, "format": fmt, "bytes": len(data)}
     row["base64"], raw = timed(lambda: data_uri_bytes(uri), reps)
-    row["decode"], image = timed(lambda: Image.open(io.BytesIO(raw)).convert("RGB"), reps)
+    row["decode"], image = timed(lambda: decode_rgb(raw), reps)
     row["hash"], _ = timed(lambda: content_hash(image), reps)
     row["process"], ref = timed(lambda: default(images=image, return_tensors="pt"), reps)
     row["sha256 pixels"], _ = timed(lambda: hashlib.sha256(image.tobytes()).hexdigest(), reps)

@@ -57,6 +57,12 @@ def content_hash(image: Image.Image) -> str:
 
 
 def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> LoadedImage:
+    image = decode_rgb(data, limits)
+    return LoadedImage(image=image, content_hash=content_hash(image), source_bytes=len(data))
+
+
+def decode_rgb(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
+    """The image's pixels, fully decoded, in RGB; an ImageError for anything else."""
     if len(data) > limits.max_bytes:
         raise ImageTooLarge(f"image is {len(data)} bytes; the limit is {limits.max_bytes}")
     try:
@@ -65,12 +71,14 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> LoadedImag
             if width * height > limits.max_pixels:
                 raise ImageTooLarge(
                     f"image is {width}x{height} pixels; the limit is {limits.max_pixels}")
-            image = probe.convert("RGB")  # decodes fully; truncated files fail here
+            probe.load()  # decodes fully; truncated files fail here
+            # an RGB image (most JPEGs) as decoded: convert() would copy it (a third of the
+            # decode's time at 12 MP)
+            return probe if probe.mode == "RGB" else probe.convert("RGB")
     except ImageTooLarge:
         raise
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
         raise ImageError(f"data is not a readable image: {e}") from None
-    return LoadedImage(image=image, content_hash=content_hash(image), source_bytes=len(data))
 
 
 class InvalidBase64(ImageError):
@@ -81,13 +89,18 @@ BASE64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234567
 HEAD_BYTES = 48 * 1024  # an image's header (what PIL reads before the pixels) fits, in practice
 
 
-def _data_uri_body(ref: str, limits: ImageLimits) -> str:
-    header, sep, body = ref.partition(",")
-    if not ref.startswith("data:") or not sep or ";base64" not in header:
+def _data_uri_body_at(ref: str, limits: ImageLimits) -> int:
+    """Where the base64 body of a data URI starts, its header and size checked."""
+    comma = ref.find(",")
+    if not ref.startswith("data:") or comma < 0 or ";base64" not in ref[:comma]:
         raise ImageError("image data URI must be base64: data:image/<type>;base64,<data>")
-    if len(body) > limits.max_bytes * 4 // 3 + 4:
+    if len(ref) - comma - 1 > limits.max_bytes * 4 // 3 + 4:
         raise ImageTooLarge(f"image is over the {limits.max_bytes}-byte limit")
-    return body
+    return comma + 1
+
+
+def _data_uri_body(ref: str, limits: ImageLimits) -> str:
+    return ref[_data_uri_body_at(ref, limits):]
 
 
 def _base64(body: str) -> tuple[bytes, int]:
@@ -106,10 +119,19 @@ def _base64(body: str) -> tuple[bytes, int]:
 
 
 def data_uri_bytes(ref: str, limits: ImageLimits = ImageLimits()) -> bytes:
-    """The bytes of a `data:image/...;base64,...` URI, size-checked before decoding."""
-    raw, _ = _base64(_data_uri_body(ref, limits))
+    """The bytes of a `data:image/...;base64,...` URI, size-checked before decoding. The same
+    rules as `_base64` in one copy of the URI instead of four: binascii's strict mode checks
+    the alphabet and the padding's place; a whole number of quanta and at most two `=` are
+    checked here (strict mode takes "0000="). A 12 MP PNG: 290 -> 173 ms on the 2-core host."""
+    body_at = _data_uri_body_at(ref, limits)
     try:
-        data = base64.b64decode(raw, validate=True)
+        raw = memoryview(ref.encode("ascii"))[body_at:]
+    except UnicodeEncodeError:
+        raise InvalidBase64("image data URI holds invalid base64") from None
+    if len(raw) % 4 or raw[-3:] == b"===":
+        raise InvalidBase64("image data URI holds invalid base64")
+    try:
+        data = binascii.a2b_base64(raw, strict_mode=True)
     except (binascii.Error, ValueError):
         raise InvalidBase64("image data URI holds invalid base64") from None
     if len(data) > limits.max_bytes:
