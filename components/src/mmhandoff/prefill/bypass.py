@@ -31,8 +31,7 @@ class RouterLookup:
     async def held(self, handoff: bytes) -> KvHeld:
         """`handoff`: its bytes, signed (the router trusts signed block hashes only)."""
         raw = await call_one(self.client, msgspec.to_builtins(HandoffMessage(handoff)),
-                             lost="router_lost",
-                             stall_s=LOOKUP_S)
+                             lost="router_lost", stall_s=LOOKUP_S)
         return msgspec.convert(raw, KvHeld)
 
 
