@@ -138,14 +138,15 @@ def test_a_retry_after_an_injected_kv_failure_continues_from_the_first_token(
     from mmhandoff.frontend.app import Frontend
     from mmhandoff.prefill.worker import ERRORS as PREFILL_ERRORS
     from tests.conftest import serve_app
-    from tests.flows import prefill_kv_usage, wait_for_prefill_kv
+    from tests.flows import opened, prefill_kv_usage, sealed, wait_for_prefill_kv
     from tests.local_plane import LocalClient
 
     decode, handoffs = DecodeWorker(fault_engine, kv_deadline_s=30), []
 
     async def failing_once(handoff):  # the first handoff's pull is reported failed
-        if not handoffs:
-            handoff = dict(handoff, request_id="inject-load-failure-retry")
+        if not handoffs:  # (unsigned: prefill here has no key)
+            handoff = sealed(msgspec.structs.replace(opened(handoff),
+                                                     request_id="inject-load-failure-retry"))
         handoffs.append(handoff)
         async for item in decode.handle(handoff):
             yield item
@@ -179,6 +180,7 @@ def test_a_retry_after_an_injected_kv_failure_continues_from_the_first_token(
 
     assert text == loop.run(agg_text())
     assert stats["retries"] == 1 and len(handoffs) == 2
-    assert handoffs[1]["first_token"] is not None and handoffs[0]["first_token"] is not None
-    assert len(handoffs[1]["token_ids"]) == len(handoffs[0]["token_ids"]) + 1  # the first token
+    first, retried = (opened(h) for h in handoffs)
+    assert retried.first_token is not None and first.first_token is not None
+    assert len(retried.token_ids) == len(first.token_ids) + 1  # the first token
     assert wait_for_prefill_kv(loop, engines, lambda u: u <= base, timeout=1.0)
