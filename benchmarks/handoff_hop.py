@@ -100,7 +100,8 @@ if __name__ == "__main__":
                     default=[2048, 8192, 16384])
     ap.add_argument("--requests", type=int, default=300)
     args = ap.parse_args()
-    os.environ.setdefault("DYN_FILE_KV", tempfile.mkdtemp(prefix="mmhandoff-hop-"))
     for var in ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST"):
         os.environ.setdefault(var, "127.0.0.1")  # loopback only
-    asyncio.run(main(args))
+    with tempfile.TemporaryDirectory(prefix="mmhandoff-hop-") as discovery:
+        os.environ.setdefault("DYN_FILE_KV", discovery)  # removed at the end
+        asyncio.run(main(args))
