@@ -118,3 +118,33 @@ def test_forged_relabelled_replayed_expired_and_unsigned_handoffs_are_refused(lo
     with pytest.raises(Replayed):
         loop.run(collect(decode.generate(encode_handoff(h_x))))
     assert [h_x.first_token, *tokens] == loop.run(agg_run(prefill, engines.full, "x", x, s))
+
+
+def test_a_handoff_replayed_to_another_decode_replica_reads_no_kv(loop, engines):
+    """Single use across the graph on vLLM: two decode workers (two replicas' admission, each
+    with its own replay guard) claim at the prefill through a plane; the first pulls and
+    answers as agg, a copy sent to the other is refused before its engine sees it, and prefill's
+    KV usage goes back to its baseline (the pull freed the blocks; nothing holds them for the
+    refused copy)."""
+    from mmhandoff.decode.claims import ClaimClient
+    from mmhandoff.prefill.claims import ERRORS as CLAIM_ERRORS, ClaimBook
+    from tests.flows import wait_for_prefill_kv
+    from tests.test_claims import AT, Plane
+
+    book = ClaimBook(lambda: AT)
+    prefill = PrefillWorker(engines.prefill, key=KEY, claims=book)
+    plane = Plane({AT.endpoint: (book.handle, CLAIM_ERRORS)})
+    a, b = (DecodeWorker(engines.decode, keys=[KEY], claim=ClaimClient(plane)) for _ in "ab")
+    s = greedy(8, ignore_eos=True)
+    question = chat("Whose blocks?", data_uri(encode(make_image(120, 90, 53))))
+    assert wait_for_prefill_kv(loop, engines, lambda usage: usage == 0.0, 30)
+    h, _ = loop.run(prefill.handoff(PrefillRequest(request_id="once", messages=question,
+                                                   sampling=s)))
+    assert h.claim == AT
+    tokens, last = loop.run(collect(a.generate(encode_handoff(h))))
+    assert last.stats.kv_tokens_pulled > 0
+    with pytest.raises(Replayed, match="not open at its prefill"):
+        loop.run(collect(b.generate(encode_handoff(h))))
+    assert [h.first_token, *tokens] == loop.run(agg_run(prefill, engines.full, "once", question,
+                                                        s))
+    assert wait_for_prefill_kv(loop, engines, lambda usage: usage == 0.0, 30)

@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import jsonschema
+import msgspec
 import openai
 import pytest
 import yaml
@@ -426,6 +427,7 @@ def test_router_and_full_media_graphs_answer_as_agg(tmp_path, image_server, agg_
             else:
                 assert 0 < stats["request_bytes"] < 4096, (name, stats)
         if "router" in target:
+            _replayed_to_each_decode_replica(graph)
             _check_bypass(graph, agg_answers["follow-up"])
             # every parameter on the bypass path too: decode samples the whole answer
             bypassed = 'mmhandoff_router_decisions_total{reason="bypass"}'
@@ -434,6 +436,59 @@ def test_router_and_full_media_graphs_answer_as_agg(tmp_path, image_server, agg_
             assert _parameters(graph.url, FIRST_TURN) == agg_answers["parameters, first turn"]
             assert _router_metrics(graph)[bypassed] - before >= 15
         graph.stop()
+
+
+def _replayed_to_each_decode_replica(graph: Graph) -> None:
+    """Issue 35's case, as an attacker on the internal plane: a handoff captured from prefill's
+    answer is taken by the first decode replica it reaches and refused (`replayed`) by the other
+    and by the first again, each before any KV is read; prefill's KV is then free (the first
+    pull released it; nothing holds blocks for the copies)."""
+    import asyncio
+
+    import psutil
+
+    from mmhandoff.plane.runtime import RemoteError, call, client, runtime
+    from mmhandoff.wire.messages import PrefillRequest, user
+    from tests.flows import greedy
+
+    spec = yaml.safe_load(graph.config.read_text())
+    namespace = spec["namespace"]
+    discovery = psutil.Process(graph.replica_pids()["prefill-0"]).environ()["DYN_FILE_KV"]
+
+    async def replay() -> list:
+        before = os.environ.get("DYN_FILE_KV")
+        os.environ["DYN_FILE_KV"] = discovery
+        rt = runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
+        try:
+            prefill = await client(rt, f"{namespace}.prefill.generate")
+            decode = await client(rt, f"{namespace}.decode.generate")
+            question = PrefillRequest(
+                request_id="captured", sampling=greedy(6, ignore_eos=True),
+                messages=[user("Once only?", data_uri(encode(make_image(88, 66, 95))))])
+            (answer,) = [a async for a in call(prefill, msgspec.to_builtins(question))]
+            message = {"handoff": answer["handoff"]}  # as it crossed the plane
+            replicas = sorted(decode.instance_ids())
+            outcomes = []
+            for instance in (*replicas, replicas[0]):
+                try:
+                    chunks = [c async for c in call(decode, message, instance)]
+                    outcomes.append(("answered", chunks[-1]["stats"]["kv_tokens_pulled"]))
+                except RemoteError as e:
+                    outcomes.append((e.code, e.message))
+            return outcomes
+        finally:
+            rt.shutdown()
+            if before is None:
+                os.environ.pop("DYN_FILE_KV", None)
+            else:
+                os.environ["DYN_FILE_KV"] = before
+
+    outcomes = asyncio.run(asyncio.wait_for(replay(), 120))
+    assert len(outcomes) == 3, outcomes
+    assert outcomes[0][0] == "answered" and outcomes[0][1] > 0, outcomes
+    assert [code for code, _ in outcomes[1:]] == ["replayed", "replayed"], outcomes
+    assert "not open at its prefill" in outcomes[1][1], outcomes  # the claim, not B's own guard
+    _no_kv_held(graph)
 
 
 def _check_bypass(graph: Graph, agg: tuple) -> None:

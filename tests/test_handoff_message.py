@@ -13,6 +13,7 @@ from mmhandoff.wire.messages import HandoffMessage, handoff_bytes
 from mmhandoff.wire.handoff import (
     VERSION,
     BlockHashes,
+    Claim,
     DigestMismatch,
     EmptyHash,
     Expired,
@@ -82,6 +83,9 @@ def handoffs(draw):
             BlockHashes, block_size=st.just(size), hashes=st.lists(
                 st.integers(0, 2**64 - 1), min_size=n_tokens // size,
                 max_size=n_tokens // size)))),
+        **draw(st.just({}) | st.builds(lambda endpoint, instance: dict(
+            nonce="n" * 32, expires_at=1e10, claim=Claim(endpoint=endpoint, instance=instance)),
+            st.text(min_size=1, max_size=30), st.integers(0, 2**64 - 1))),
     )
 
 
@@ -392,6 +396,7 @@ def test_a_version_3_prefills_signature_verifies_at_this_decode():
     old["sampling"] = msgspec.to_builtins(_SamplingV3(max_tokens=8, min_p=0.1, stop=["x"]))
     del old["features"]["mm_grids"]  # added by version 5
     del old["block_hashes"]  # added by version 6
+    del old["claim"]  # added by version 7
     old["digest"] = hmac.new(key, msgspec.msgpack.encode(old), hashlib.sha256).hexdigest()
     got = decode_handoff(msgspec.msgpack.encode(old))
     check_admission(got, fingerprint=FP, keys=[key])  # verifies

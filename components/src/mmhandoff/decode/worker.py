@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from contextlib import aclosing
 import uuid
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import msgspec
 
@@ -24,6 +24,7 @@ from mmhandoff.engine.stream import KVCoverageError, collect, stream_answer
 from mmhandoff.plane.endpoints import generate
 from mmhandoff.wire.handoff import (
     VERSION,
+    ClaimFailed,
     Handoff,
     HandoffError,
     ReplayGuard,
@@ -44,8 +45,11 @@ class UnsupportedModel(RuntimeError):
 
 class DecodeWorker:
     def __init__(self, engine: Engine, *, kv_deadline_s: float | None = 30.0,
-                 keys: Sequence[bytes] = ()) -> None:
-        """`keys`: take only handoffs signed with one of them (several during a rotation)."""
+                 keys: Sequence[bytes] = (),
+                 claim: Callable[[Handoff], Awaitable[None]] | None = None) -> None:
+        """`keys`: take only handoffs signed with one of them (several during a rotation).
+        `claim`: claims a handoff that names where (`Handoff.claim`) before its KV is pulled
+        (decode.claims.ClaimClient); without it such a handoff is refused."""
         if engine.capabilities.mrope and engine.capabilities.grid_merge is None:
             raise UnsupportedModel("this M-RoPE model's positions need more of the media than "
                                    "each image's grid, which is all a handoff carries "
@@ -56,6 +60,7 @@ class DecodeWorker:
         self.kv_deadline_s = kv_deadline_s
         self.keys = tuple(keys)
         self.replays = ReplayGuard()
+        self.claim = claim
 
     def admit(self, message: Handoff | bytes) -> tuple[Handoff, int]:
         """Decode and check a handoff (its bytes, as they arrived; in-process callers may give
@@ -70,6 +75,10 @@ class DecodeWorker:
     async def generate(self, message: Handoff | bytes) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
         handoff, size = self.admit(message)
+        if handoff.claim is not None:  # its KV is read once in the whole graph
+            if self.claim is None:
+                raise ClaimFailed("this decode cannot claim a handoff's KV at its prefill")
+            await self.claim(handoff)
         admitted_at = time.time()
         engine_request_id = f"{handoff.request_id}:decode:{uuid.uuid4().hex[:8]}"
         request = await self.engine.kv_only(handoff, engine_request_id)
@@ -115,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     from mmhandoff.decode.full_media import FullMediaDecodeWorker, InvalidFullMedia
     from mmhandoff.process.engine_worker import run
 
+    from mmhandoff.decode.claims import ClaimClient
+
     def make_worker(engine, context):
         args = context.args
         if args.full_media:
             return FullMediaDecodeWorker(engine, kv_deadline_s=args.kv_deadline_s)
-        return DecodeWorker(engine, kv_deadline_s=args.kv_deadline_s, keys=args.handoff_keys)
+        return DecodeWorker(engine, kv_deadline_s=args.kv_deadline_s, keys=args.handoff_keys,
+                            claim=ClaimClient(context.rt))
 
     return run("decode", lambda a: "full_media_decode" if a.full_media else "decode",
                ENDPOINT, make_worker, (*ERRORS, InvalidFullMedia), argv)

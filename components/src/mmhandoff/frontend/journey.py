@@ -45,8 +45,10 @@ from mmhandoff.wire.messages import (
 log = logging.getLogger(__name__)
 
 # Failures of ours that a client may retry later (503); any other fault of ours is a 500.
-# "expired": the handoff reached decode after prefill's lease could have freed its blocks.
-UNAVAILABLE = frozenset({"kv_coverage", "prefill_failed", "decode_failed", "expired"})
+# "expired": the handoff reached decode after prefill's lease could have freed its blocks;
+# "claim_failed": decode could not claim the KV at the prefill holding it (stopped, restarted).
+UNAVAILABLE = frozenset({"kv_coverage", "prefill_failed", "decode_failed", "expired",
+                         "claim_failed"})
 # The same failures are retried through prefill (nothing sent yet) or migrated (tokens sent):
 # decode failed closed, or a worker was lost (died, or silent for `stall_s`).
 RETRIED = UNAVAILABLE

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 GENERATE = "generate"  # every component: its requests (chat in, or a handoff in)
 KV_BLOCKS = "kv_blocks"  # each worker: the blocks its engine holds and its load (routers follow)
+CLAIM = "claim"  # each prefill worker: a decode claims a handoff's KV once (prefill.claims)
 HELD = "held"  # the router: which decode replica holds a prompt's blocks (prefill's bypass)
 PLACE = "place"  # the router: which prefill replica takes a request (the frontend)
 

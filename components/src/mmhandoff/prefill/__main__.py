@@ -1,8 +1,11 @@
 """`python -m mmhandoff.prefill`: the encode/prefill worker (or, with `--full-media`, the
 benchmark arm's prefill: mmhandoff.prefill.full_media)."""
 
+from mmhandoff.plane.endpoints import CLAIM
+from mmhandoff.prefill.claims import ClaimBook
 from mmhandoff.prefill.full_media import FullMediaPrefillWorker
 from mmhandoff.prefill.worker import ENDPOINT, ERRORS, PrefillWorker, handoff_ttl
+from mmhandoff.wire.handoff import Claim
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,11 +23,14 @@ def main(argv: list[str] | None = None) -> int:
             router = RouterLookup(await (
                 context.rt.endpoint(f"{args.namespace}.{beside(args.router, HELD)}").client()))
         arm = FullMediaPrefillWorker if args.full_media else PrefillWorker
+        claims = ClaimBook(lambda: Claim(endpoint=f"{context.component}.{CLAIM}",
+                                         instance=context.instance_id()))
         return arm(engine, key=key, router=router, ttl_s=handoff_ttl(args.kv_lease_s),
                    bypass_max_tokens=args.bypass_max_tokens,
-                   publish_prefixes=context.publish_prefixes)
+                   publish_prefixes=context.publish_prefixes, claims=claims)
 
-    return run("prefill", "prefill", ENDPOINT, make_worker, ERRORS, argv)
+    return run("prefill", "prefill", ENDPOINT, make_worker, ERRORS, argv,
+               side_endpoints=(CLAIM,))
 
 
 # Guarded: vLLM's engine processes are spawned, and a spawned child imports this module again.

@@ -27,8 +27,9 @@ import msgspec
 from mmhandoff.engine import RELEASE_ON_STOP_KEY, Engine, EngineInputError, Rendered, Step
 from mmhandoff.engine.prompt import InvalidRequest, PromptBuilder
 from mmhandoff.media.images import ImageError, ImageLimits
-from mmhandoff.plane.endpoints import generate
+from mmhandoff.plane.endpoints import CLAIM, generate
 from mmhandoff.prefill.bypass import decode_can_answer
+from mmhandoff.prefill.claims import ERRORS as CLAIM_ERRORS, ClaimBook
 from mmhandoff.prefill.prefixes import image_ends, prefix_blocks
 from mmhandoff.wire.handoff import (
     VERSION,
@@ -90,9 +91,11 @@ class PrefillWorker:
     def __init__(self, engine: Engine, *, limits: ImageLimits = ImageLimits(),
                  key: bytes | None = None,
                  ttl_s: float = HANDOFF_TTL_S, router=None, bypass_max_tokens: int = 0,
-                 publish_prefixes: Callable[[dict[str, list]], None] | None = None) -> None:
+                 publish_prefixes: Callable[[dict[str, list]], None] | None = None,
+                 claims: ClaimBook | None = None) -> None:
         """`key`: sign every handoff with it, with a nonce and an expiry `ttl_s` from now
-        (decode is given the same key). `router` (a RouterLookup) and `bypass_max_tokens` > 0:
+        (decode is given the same key). `claims`: with a key, each handoff that names KV names
+        this prefill as where to claim it, and the book grants it once (prefill.claims). `router` (a RouterLookup) and `bypass_max_tokens` > 0:
         skip the engine for a prompt a decode replica can answer from its own cache (bypass)."""
         self.engine = engine
         self.prompts = PromptBuilder(engine, limits)
@@ -101,9 +104,17 @@ class PrefillWorker:
         # what each image key's prefix is in this engine's blocks, for the router's placement
         # (prefill.prefixes): the process's kv_blocks feed takes them; None: nobody does
         self.publish_prefixes = publish_prefixes
+        self.claims = claims if key is not None else None  # a claim is of a signed nonce
 
     async def warm_up(self) -> None:  # the engine's warm-up is all prefill needs
         pass
+
+    def side_handler(self, name: str):
+        """The claim endpoint's handler (prefill.claims), the process's one side endpoint; with
+        no key, no handoff names it, and a claim finds nothing to grant."""
+        assert name == CLAIM, name
+        book = self.claims if self.claims is not None else ClaimBook(lambda: None)
+        return book.handle, CLAIM_ERRORS
 
     async def prefill(self, request: PrefillRequest) -> PrefillAnswer:
         """The answer's first token (unless `request.first_token` is False), the handoff for
@@ -179,6 +190,7 @@ class PrefillWorker:
             continued=len(request.continuation),
             first_token=first.token_id if first is not None else None,
             block_hashes=carried(hashes, self.engine.block_size),
+            claim=self.claims.at() if self.claims is not None else None,
         )
         return PrefillAnswer(first=first, handoff=self._sealed(handoff), stats=stats,
                              prompt_logprobs=prompt_lps)
@@ -187,6 +199,8 @@ class PrefillWorker:
         """The handoff's bytes, signed: encoded once, here; every hop carries them as they are."""
         if self.key is not None:
             handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
+        if handoff.claim is not None:
+            self.claims.issue(handoff)
         return encode_handoff(handoff)
 
     async def _bypass(self, request: PrefillRequest, rendered: Rendered) -> bytes | None:

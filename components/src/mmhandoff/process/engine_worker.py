@@ -134,11 +134,15 @@ class WorkerContext:
     # the process's kv_blocks feed: what each image key's prefix is in this engine's blocks, for
     # routers' placement (prefill.prefixes)
     publish_prefixes: Callable[[dict[str, list]], None]
+    component: str = ""  # "<namespace>.<component>": where its endpoints are
+    instance_id: Callable[[], int] = lambda: 0  # its Dynamo instance id now (may change)
 
 
 class Worker(Protocol):
     """What the process needs of a worker: the endpoint's handler, and its own warm-up (after the
-    engine's, before the worker reports ready: the first client's request as fast as the rest)."""
+    engine's, before the worker reports ready: the first client's request as fast as the rest).
+    A worker run with `side_endpoints` also answers `side_handler(name)`: that endpoint's
+    handler and the error types it reports typed."""
 
     def handle(self, request: dict) -> AsyncIterator[dict]: ...
 
@@ -147,16 +151,19 @@ class Worker(Protocol):
 
 def run(role: str, spec_role: str | Callable, endpoint: str,
         make_worker: Callable[[Any, WorkerContext], Worker | Awaitable[Worker]],
-        errors: tuple, argv: list[str] | None = None) -> int:
+        errors: tuple, argv: list[str] | None = None,
+        side_endpoints: tuple[str, ...] = ()) -> int:
     """`spec_role`: the EngineSpec role, or a function of the parsed arguments giving it.
-    `make_worker(engine, context)` (a coroutine function, or a plain one): the worker."""
+    `make_worker(engine, context)` (a coroutine function, or a plain one): the worker.
+    `side_endpoints`: more endpoints of the component that the worker serves
+    (`worker.side_handler(name)`), from before its main endpoint until the process stops."""
     args = parser(role).parse_args(argv)
     from mmhandoff import logs
     from mmhandoff.plane.runtime import run as run_loop
     from mmhandoff.vllm_adapter.plugins import fast_exit
 
     logs.setup()
-    code = run_loop(_serve(args, spec_role, endpoint, make_worker, errors))
+    code = run_loop(_serve(args, spec_role, endpoint, make_worker, errors, side_endpoints))
     if fast_exit.enabled():
         # The engine and the runtime are down. The interpreter's finalization would scan the
         # whole vLLM and torch heap to free nothing (~3 s on 2 cores): end the process now.
@@ -164,7 +171,7 @@ def run(role: str, spec_role: str | Callable, endpoint: str,
     return code
 
 
-async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
+async def _serve(args, spec_role, endpoint, make_worker, errors, side_endpoints) -> int:
     from mmhandoff.plane.runtime import runtime, serve
     from mmhandoff.process import block_feed
     from mmhandoff.process.health import ENGINE_DEAD, start_not_ready, watch_engine
@@ -183,12 +190,14 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,
                  request_plane=args.request_plane, nixl_host=args.nixl_host)
     path = f"{args.namespace}.{endpoint}"
+    component = path.rsplit(".", 1)[0]
     # taken once, before anything is served (see plane/registration.py)
     served_endpoint = rt.endpoint(path)
+    side = {name: rt.endpoint(f"{component}.{name}") for name in side_endpoints}
     publish_engine_load(served_endpoint, load)
     # the blocks the engine holds, for routers (started before requests can come)
     feed, subscriber, _ = block_feed.start_feed(
-        rt, path.rsplit(".", 1)[0], events, spec.extra.get("block_size", spec.block_size))
+        rt, component, events, spec.extra.get("block_size", spec.block_size))
     loop = asyncio.get_running_loop()
 
     def publish_load() -> None:  # routers balance by it (kv_blocks streams)
@@ -199,13 +208,16 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
             pass
 
     load.on_change = publish_load
-    worker = make_worker(engine, WorkerContext(args, rt, feed.prefixes))
+    worker = make_worker(engine, WorkerContext(args, rt, feed.prefixes, component,
+                                               served_endpoint.connection_id))
     if inspect.isawaitable(worker):
         worker = await worker
     # the first client's request as fast as the rest: the engine's one-time costs, then the
     # worker's own path
     await engine.warm_up()
     await worker.warm_up()
+    sides = [serve(rt, f"{component}.{name}", *worker.side_handler(name), endpoint=taken)
+             for name, taken in side.items()]
     served = serve(rt, path, worker.handle, errors, endpoint=served_endpoint)
     rt.set_health_status(True)
     # the start's cost, to see a compile cache work (a GPU engine's first start compiles)
@@ -214,7 +226,8 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
     watch = asyncio.ensure_future(watch_engine(rt, engine, path))
     code = await until_stopped(path, served_endpoint, {
         watch: lambda _: (ENGINE_DEAD, None),  # watch_engine said why
-        served: lambda task: (1, f"the endpoint stopped serving: {task.exception()!r}"),
+        **{task: lambda task: (1, f"an endpoint stopped serving: {task.exception()!r}")
+           for task in (served, *sides)},
     })
     rt.set_health_status(False)
     feed.close()  # routers' streams end now: they are not requests to wait for
@@ -224,7 +237,7 @@ async def _serve(args, spec_role, endpoint, make_worker, errors) -> int:
             await asyncio.wait_for(served, 30)
         except (asyncio.TimeoutError, Exception):
             pass
-    for task in (watch, served):
+    for task in (watch, served, *sides):
         task.cancel()
     subscriber.close()
     engine.shutdown()

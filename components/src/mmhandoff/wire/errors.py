@@ -66,7 +66,17 @@ class Expired(HandoffError):
 
 
 class Replayed(HandoffError):
+    """Admitted before: by this decode replica, or (its claim refused) by another one."""
+
     code = "replayed"
+
+
+class ClaimFailed(HandoffError):
+    """The prefill instance that holds the handoff's KV could not be asked for it (stopped,
+    restarted, unreachable): its KV is gone with it, so decode pulls nothing. The frontend
+    prefills again."""
+
+    code = "claim_failed"
 
 
 class PositionStateMissing(HandoffError):

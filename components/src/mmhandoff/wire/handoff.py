@@ -12,8 +12,9 @@ to pull. Decoding is strict: every malformed, truncated or forbidden message rai
 Integrity: with a key shared by prefill and decode, prefill signs every handoff (`sign` with a
 TTL: an HMAC-SHA256 over the whole message, including a fresh nonce and an expiry), and decode
 refuses one that is unsigned, signed with no key it has, tampered (an image hash relabelled,
-token ids or block ids changed), expired, or seen before (`ReplayGuard`: a handoff is single
-use). Prefill's signature is what binds an image's hash to the KV the handoff names. Expiry is
+token ids or block ids changed), expired, or seen before (`ReplayGuard`, per decode replica;
+across the graph, a handoff that names KV is claimed at its prefill before the pull:
+prefill.claims). Prefill's signature is what binds an image's hash to the KV the handoff names. Expiry is
 prefill's wall clock against decode's: hosts must agree within the TTL (NTP does).
 """
 
@@ -44,6 +45,7 @@ from mmhandoff.wire.errors import (  # noqa: F401  (re-exported: the errors are 
     Unsigned,
     Expired,
     Replayed,
+    ClaimFailed,
     PositionStateMissing,
     PositionStateUnexpected,
     PositionStateMismatch,
@@ -55,11 +57,12 @@ from mmhandoff.wire.errors import (  # noqa: F401  (re-exported: the errors are 
 # 4: sampling's `structured` (structured outputs). 5: features' `mm_grids` (M-RoPE position
 # state) and sampling's `logit_bias`. 6: `block_hashes`, the prompt's prefix-cache block hashes
 # as prefill's engine computes them (the router looks them up instead of hashing again).
+# 7: `claim`, where decode claims the handoff's KV before it pulls (single use across the graph).
 # Older versions (1: no first token, decode samples it) stay readable (mmhandoff.wire.legacy), so
 # a decode tier upgraded first keeps taking an older prefill's handoffs; an older decode refuses a
 # newer one by version.
-VERSION = 6
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5, VERSION})
+VERSION = 7
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5, 6, VERSION})
 
 
 # ---- wire types ---------------------------------------------------------------------------------
@@ -84,6 +87,15 @@ class BlockHashes(_Strict, frozen=True):
 
     block_size: int
     hashes: list[int]
+
+
+class Claim(_Strict, frozen=True):
+    """Where the handoff's KV is claimed: the prefill instance that holds it, which grants each
+    handoff's nonce once (prefill.claims). Decode claims before it pulls, so a handoff's KV is
+    read at most once whatever decode replica a copy reaches."""
+
+    endpoint: str  # "<namespace>.<component>.claim"
+    instance: int  # the issuing prefill's Dynamo instance id
 
 
 class Grid(_Strict, frozen=True):
@@ -203,6 +215,9 @@ class Handoff(_Strict):
     # (v6) The hashes of `token_ids`' full blocks, as prefill's engine computes them: a hint for
     # routers, used only when the handoff is authentic. Decode's engine hashes for itself.
     block_hashes: BlockHashes | None = None
+    # (v7) Where decode claims the KV before pulling it; None: no KV, or a prefill that
+    # records no claims (in-process), whose handoffs are single use per decode replica only.
+    claim: Claim | None = None
 
     def __repr__(self) -> str:  # never dump token ids or transfer params into logs
         counts = {m: len(h) for m, h in self.features.mm_hashes.items()}
@@ -348,6 +363,8 @@ def check_structure(h: Handoff) -> None:
         if size < 1 or len(hashes) != n // size:
             raise MalformedHandoff(f"{len(hashes)} block hashes of {size} tokens for a "
                                    f"{n}-token prompt: expected one per full block")
+    if h.claim is not None and not h.requires_kv:
+        raise MalformedHandoff("a claim is of KV: this handoff names none to pull")
     if h.sampling.structured is not None:
         if h.first_token is not None or h.continued:
             # the grammar starts at decode's first output token: tokens already in the prompt
@@ -394,6 +411,8 @@ def check_admission(h: Handoff, *, fingerprint: str, keys: Sequence[bytes] = (),
             raise Expired("handoff expired before decode got it")
     elif not authentic(h):
         raise DigestMismatch("handoff checksum does not verify")
+    if h.claim is not None and h.nonce is None:  # (with keys, refused above as unsigned)
+        raise MalformedHandoff("a claim is of a signed handoff's nonce: this one has none")
 
 
 def authentic(h: Handoff, keys: Sequence[bytes] = ()) -> bool:

@@ -1,6 +1,6 @@
 """What older peers send, read here so that the current contract's code need not know them.
 
-- Handoff versions 1-5: the fields each later version added must be absent (at their defaults)
+- Handoff versions 1-6: the fields each later version added must be absent (at their defaults)
   in an older handoff, and its prefill signed it without them, so its MAC leaves them out: a
   decode tier upgraded first keeps taking an older prefill's handoffs.
 - The decode endpoint's older message: the Handoff's own fields in builtin form, where today it
@@ -27,7 +27,8 @@ SAMPLING_V3 = ("min_p", "repetition_penalty", "presence_penalty", "frequency_pen
 FIELDS_SINCE: dict[tuple[str, ...], int] = {("sampling", "structured"): 4,
                                              ("features", "mm_grids"): 5,
                                              ("sampling", "logit_bias"): 5,
-                                             ("block_hashes",): 6}
+                                             ("block_hashes",): 6,
+                                             ("claim",): 7}
 
 _encoder = msgspec.msgpack.Encoder()
 

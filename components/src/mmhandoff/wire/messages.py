@@ -186,6 +186,20 @@ def handoff_bytes(message: Any) -> bytes:
         raise MalformedHandoff(f"not a handoff message: {e}") from None
 
 
+class ClaimRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What decode asks the prefill instance a handoff names (`Handoff.claim`) before it pulls
+    the KV: that handoff's nonce, granted once (prefill.claims)."""
+
+    nonce: str
+    request_id: str  # for the logs
+
+
+class Claimed(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The claim's grant (a refusal is an error envelope: `replayed`, `expired`)."""
+
+    request_id: str
+
+
 class DecodeStats(msgspec.Struct, kw_only=True):
     request_bytes: int  # what decode received
     prompt_tokens: int = -1
