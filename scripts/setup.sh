@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MMHANDOFF_VENV:-.venv}
-STAMP="$VENV/.mmhandoff-setup-v11"
+STAMP="$VENV/.mmhandoff-setup-v12"
 PY=${PYTHON:-python3}
 if [ -f "$STAMP" ]; then exit 0; fi
 

@@ -1,8 +1,8 @@
 """Each component runs alone (`python -m mmhandoff.<component>`), as Kubernetes will run it: two
 processes find each other through file discovery, answer a handoff, refuse replayed, relabelled,
 unsigned, expired and wrongly signed handoffs on the served endpoint (and answer an honest one
-for the same image alike afterwards), report ready on Dynamo's system status server, and exit
-cleanly on SIGTERM leaving no child process. A worker whose engine dies reports not ready and
+for the same image alike afterwards), report ready on Dynamo's system status server, and leave
+no child process when they exit or are killed -9. A worker whose engine dies reports not ready and
 exits with health.ENGINE_DEAD."""
 
 from __future__ import annotations
@@ -137,6 +137,9 @@ def test_prefill_and_decode_processes(tmp_path, tiny_model):
         assert procs[1].wait(timeout=60) == ENGINE_DEAD, _tail(tmp_path / "decode.log")
         assert "engine died" in (tmp_path / "decode.log").read_text()
         assert _health(ports[0]) == (200, "ready")  # prefill is unaffected
+        # prefill killed -9 (the OOM killer, a crashed runtime): its engine core dies with it
+        # (vllm_adapter/plugins/parent_death.py), and its workers with the engine core
+        procs[0].kill()
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -146,9 +149,9 @@ def test_prefill_and_decode_processes(tmp_path, tiny_model):
                 p.wait(timeout=max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-    assert [p.returncode for p in procs] == [0, ENGINE_DEAD], [
+    assert [p.returncode for p in procs] == [-signal.SIGKILL, ENGINE_DEAD], [
         _tail(tmp_path / f"{role}.log") for role in ("prefill", "decode")]
     # orphans (engine cores, workers, multiprocessing's resource tracker) must go away on their
-    # own within a bounded time after their parent exits
+    # own within a bounded time after their parent exits, whether it exited or was killed
     _, alive = psutil.wait_procs(children, timeout=15)
-    assert not alive, [(c.pid, c.name()) for c in alive]
+    assert not alive, [(c.pid, " ".join(c.cmdline())[:120]) for c in alive]

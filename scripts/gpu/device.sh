@@ -62,6 +62,29 @@ descendants() {
   for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done
 }
 
+# The checkout runs from PYTHONPATH, not installed: without its distribution's metadata vLLM finds
+# none of mmhandoff's plugins (entry point vllm.general_plugins), which a user's `pip install`
+# has. Written from pyproject.toml's entry points, once per checkout.
+entry_points() {
+  local info="$SITE/mmhandoff-0.0.0+checkout.dist-info"
+  [ "$info/entry_points.txt" -nt pyproject.toml ] && return 0
+  mkdir -p "$info"
+  printf 'Metadata-Version: 2.1\nName: mmhandoff\nVersion: 0.0.0+checkout\n' > "$info/METADATA"
+  python3 - pyproject.toml > "$info/entry_points.txt" <<'PY'
+import re, sys
+section = None
+for line in open(sys.argv[1]):
+    line = line.strip()
+    if line.startswith("["):
+        m = re.fullmatch(r'\[project\.(scripts|entry-points\."?([\w.-]+)"?)\]', line)
+        section = m and ("console_scripts" if m[1] == "scripts" else m[2])
+        if section:
+            print(f"[{section}]")
+    elif section and "=" in line and not line.startswith("#"):
+        print(line.replace('"', ""))
+PY
+}
+
 # the Dynamo runtime for the served graph: its own parts, installed into the same site
 install_graph() {
   install
@@ -100,7 +123,7 @@ case "${1:-}" in
     log "GPU memory in use: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)" ;;
   install-graph) install_graph ;;
   run)
-    shift; install
+    shift; install; entry_points
     export PYTHONPATH="$SITE:$PWD/components/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     # flashinfer is not in the bundle; the block-hash seed must match on every engine
     export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONHASHSEED=${PYTHONHASHSEED:-0}
