@@ -28,6 +28,7 @@ import yaml
 from mmhandoff.prefill.worker import VLLM_KV_LEASE_S
 from tests.conftest import data_uri, encode, make_image
 from tests.graph_runner import Graph, Servers
+from tests.tls_certs import make_certs
 
 pytestmark = pytest.mark.graph
 
@@ -355,12 +356,6 @@ def _stop_mid_answer(graph: Graph, messages: list[dict], max_tokens: int = 400) 
     assert any("[serve] stopped" in line for line in graph.log)
 
 
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
-
-
 def _vllm_bench(url: str, tmp: Path, tokenizer: str, n: int = 6, out: int = 8) -> None:
     """vLLM's own benchmark client (`vllm bench serve`, openai-chat, its random-mm dataset: a
     random image per request) against the graph. With ignore_eos every answer is `out` tokens:
@@ -385,12 +380,16 @@ def _vllm_bench(url: str, tmp: Path, tokenizer: str, n: int = 6, out: int = 8) -
 
 
 def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers, tiny_model):
+    """With mutual TLS on the request plane (the YAML's `tls`, issue 35): the handoff, decode's
+    claim at prefill and every answer cross it; a client without a certificate is refused."""
+    certs = make_certs(tmp_path / "certs")
     graph = Graph("graphs.disagg:Frontend", "configs/disagg.yaml", tmp_path,
-                  frontend_args=ALLOW_LOOPBACK_IMAGES)
+                  frontend_args=ALLOW_LOOPBACK_IMAGES, tls=certs)
     with graph.failing_loudly():
         questions = _questions(image_server)
         answers = _answers(graph.url, questions)
         _check_equal_to_agg(answers, agg_answers)
+        _refused_without_a_certificate(graph, certs)
         # every applied parameter as the agg graph applies it (and as its expectation says)
         assert _across_graphs(_parameters(graph.url, questions["data URI"])) == _across_graphs(
             agg_answers["parameters"])
@@ -438,57 +437,118 @@ def test_router_and_full_media_graphs_answer_as_agg(tmp_path, image_server, agg_
         graph.stop()
 
 
+# A caller of the decode endpoint, as its own process: the runtime's TLS settings are read from
+# the environment of the process (once), so each identity gets a fresh one.
+_CALLER = """
+import asyncio, json, sys
+from mmhandoff.plane.runtime import RemoteError, call, client, runtime
+
+async def main():
+    rt = runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
+    try:
+        decode = await client(rt, sys.argv[1])
+        try:  # not a handoff: a caller that gets through is told so (malformed)
+            print(json.dumps([c async for c in call(decode, {"handoff": ""}, stall_s=30)]))
+        except RemoteError as e:
+            print(json.dumps([e.code, e.message]))
+    finally:
+        rt.shutdown()
+
+asyncio.run(asyncio.wait_for(main(), 60))
+"""
+
+
+def _refused_without_a_certificate(graph: Graph, certs: dict[str, str]) -> None:
+    """On a plane with mutual TLS: a caller that trusts the CA but has no certificate of its own
+    reaches no endpoint (the TLS handshake fails); one with the graph's certificate does."""
+    import psutil
+
+    from mmhandoff.plane.tls import tls_env
+
+    namespace = yaml.safe_load(graph.config.read_text())["namespace"]
+    discovery = psutil.Process(graph.replica_pids()["decode-0"]).environ()["DYN_FILE_KV"]
+
+    def call_as(identity: dict[str, str]) -> list:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_TCP_TLS_")}
+        env.update(DYN_FILE_KV=discovery, DYN_LOG="error", **identity)
+        out = subprocess.run([sys.executable, "-c", _CALLER, f"{namespace}.decode.generate"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip(), out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    trust_only = {"DYN_TCP_TLS_CA_CERT_PATH": certs["ca"]}
+    code, message = call_as(trust_only)
+    assert code == "internal" and "connection" in message.lower(), (code, message)
+    code, message = call_as(tls_env(certs))  # as a component of the graph has it
+    assert code == "malformed", (code, message)
+
+
 def _replayed_to_each_decode_replica(graph: Graph) -> None:
     """Issue 35's case, as an attacker on the internal plane: a handoff captured from prefill's
     answer is taken by the first decode replica it reaches and refused (`replayed`) by the other
     and by the first again, each before any KV is read; prefill's KV is then free (the first
     pull released it; nothing holds blocks for the copies)."""
-    import asyncio
-
-    import psutil
-
-    from mmhandoff.plane.runtime import RemoteError, call, client, runtime
+    from mmhandoff.plane.runtime import RemoteError, call, client
     from mmhandoff.wire.messages import PrefillRequest, user
     from tests.flows import greedy
 
-    spec = yaml.safe_load(graph.config.read_text())
-    namespace = spec["namespace"]
-    discovery = psutil.Process(graph.replica_pids()["prefill-0"]).environ()["DYN_FILE_KV"]
+    async def replay(rt, namespace: str) -> list:
+        prefill = await client(rt, f"{namespace}.prefill.generate")
+        decode = await client(rt, f"{namespace}.decode.generate")
+        question = PrefillRequest(
+            request_id="captured", sampling=greedy(6, ignore_eos=True),
+            messages=[user("Once only?", data_uri(encode(make_image(88, 66, 95))))])
+        (answer,) = [a async for a in call(prefill, msgspec.to_builtins(question))]
+        message = {"handoff": answer["handoff"]}  # as it crossed the plane
+        replicas = sorted(decode.instance_ids())
+        outcomes = []
+        for instance in (*replicas, replicas[0]):
+            try:
+                chunks = [c async for c in call(decode, message, instance)]
+                outcomes.append(("answered", chunks[-1]["stats"]["kv_tokens_pulled"]))
+            except RemoteError as e:
+                outcomes.append((e.code, e.message))
+        return outcomes
 
-    async def replay() -> list:
-        before = os.environ.get("DYN_FILE_KV")
-        os.environ["DYN_FILE_KV"] = discovery
-        rt = runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
-        try:
-            prefill = await client(rt, f"{namespace}.prefill.generate")
-            decode = await client(rt, f"{namespace}.decode.generate")
-            question = PrefillRequest(
-                request_id="captured", sampling=greedy(6, ignore_eos=True),
-                messages=[user("Once only?", data_uri(encode(make_image(88, 66, 95))))])
-            (answer,) = [a async for a in call(prefill, msgspec.to_builtins(question))]
-            message = {"handoff": answer["handoff"]}  # as it crossed the plane
-            replicas = sorted(decode.instance_ids())
-            outcomes = []
-            for instance in (*replicas, replicas[0]):
-                try:
-                    chunks = [c async for c in call(decode, message, instance)]
-                    outcomes.append(("answered", chunks[-1]["stats"]["kv_tokens_pulled"]))
-                except RemoteError as e:
-                    outcomes.append((e.code, e.message))
-            return outcomes
-        finally:
-            rt.shutdown()
-            if before is None:
-                os.environ.pop("DYN_FILE_KV", None)
-            else:
-                os.environ["DYN_FILE_KV"] = before
-
-    outcomes = asyncio.run(asyncio.wait_for(replay(), 120))
+    outcomes = _on_the_plane(graph, replay)
     assert len(outcomes) == 3, outcomes
     assert outcomes[0][0] == "answered" and outcomes[0][1] > 0, outcomes
     assert [code for code, _ in outcomes[1:]] == ["replayed", "replayed"], outcomes
     assert "not open at its prefill" in outcomes[1][1], outcomes  # the claim, not B's own guard
     _no_kv_held(graph)
+
+
+def _on_the_plane(graph: Graph, talk, timeout: float = 120):
+    """What `talk(rt, namespace)` returns, run by a Dynamo runtime of this process that joins
+    the graph's plane (its discovery folder) as another component, or an attacker on the plane,
+    would."""
+    import asyncio
+
+    import psutil
+
+    from mmhandoff.plane.runtime import runtime
+
+    namespace = yaml.safe_load(graph.config.read_text())["namespace"]
+    worker = next(pid for name, pid in graph.replica_pids().items() if name != "frontend-0")
+    settings = {"DYN_FILE_KV": psutil.Process(worker).environ()["DYN_FILE_KV"]}
+
+    async def joined():
+        rt = runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
+        try:
+            return await talk(rt, namespace)
+        finally:
+            rt.shutdown()
+
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        return asyncio.run(asyncio.wait_for(joined(), timeout))
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _check_bypass(graph: Graph, agg: tuple) -> None:
@@ -718,7 +778,8 @@ def test_a_router_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
 def test_the_prefill_killed_with_requests_in_flight(tmp_path, image_server):
     """Issue 14 item 7: the only prefill replica stops answering with requests queued on it, then
     is killed -9. Each request gets 503 `prefill_failed` within a bound (no 500, none left
-    waiting), and serve, having lost the graph's only prefill, stops it with exit 1."""
+    waiting); requests that keep arriving get a 503 or a refused connection within 2 s (issue
+    35), and serve, having lost the graph's only prefill, stops it with exit 1."""
     graph = Graph("graphs.disagg:Frontend", "configs/disagg.yaml", tmp_path,
                   frontend_args=ALLOW_LOOPBACK_IMAGES)
     with graph.failing_loudly():
@@ -743,17 +804,55 @@ def test_the_prefill_killed_with_requests_in_flight(tmp_path, image_server):
         assert _in_flight(graph.url) == 4
         os.kill(prefill, signal.SIGKILL)
         killed = time.monotonic()
-        for t in threads:
+        # and requests keep arriving (issue 35): each is answered 503 or refused at connect
+        # within NO_TIER_S, never left open until the frontend's drain ends
+        arrivals: list = []
+        late = [threading.Thread(target=_arrivals, args=(graph.url, arrivals, killed + 3))
+                for _ in range(4)]
+        for t in late:
+            t.start()
+        for t in [*threads, *late]:
             t.join(timeout=120)
         for result in results:
             assert result[:2] == (503, "prefill_failed"), result
             assert result[2] - killed < BOUND_S, result
+        assert arrivals, "no request arrived after the kill"
+        for outcome, took in arrivals:
+            assert outcome in ("503 prefill_failed", "refused", "closed"), (outcome, took)
+            assert took < NO_TIER_S, (outcome, took)
         graph.wait(expect=1)
         assert any("component died: prefill-0 (killed by signal 9)" in line
                    for line in graph.log), graph.tail()
 
 
 BOUND_S = 15.0  # from a prefill's death to its requests' 503: what docs/reliability.md states
+NO_TIER_S = 2.0  # a request that finds no live prefill: its 503 (or a refused connection)
+
+
+def _arrivals(url: str, out: list, until: float) -> None:
+    """New requests, one after another until `until` (monotonic), each a fresh connection: what
+    each got ("503 <code>"; "refused" at connect; "closed" unanswered, as a stopping frontend
+    closes a connection it had not begun to read; anything else as it came) and how long it
+    took."""
+    body = json.dumps({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_uri(encode(make_image(64, 48, 96)))}},
+        {"type": "text", "text": "Still there?"}]}]}).encode()
+    while time.monotonic() < until:
+        t0 = time.monotonic()
+        request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                outcome = f"{r.status}"
+        except urllib.error.HTTPError as e:
+            outcome = f"{e.code} {json.loads(e.read())['error']['code']}"
+        except urllib.error.URLError as e:
+            outcome = "refused" if isinstance(e.reason, ConnectionRefusedError) else repr(e)
+        except ConnectionError:  # (http.client.RemoteDisconnected is one)
+            outcome = "closed"
+        out.append((outcome, time.monotonic() - t0))
+        if outcome in ("refused", "closed"):
+            return  # the frontend is gone: nothing more to learn
 
 
 def _metric(url: str, name: str) -> float:
@@ -850,16 +949,17 @@ def _one_of_the_load(url: str, i: int, questions: dict) -> tuple:
                           r.usage.completion_tokens)
 
 
-def test_a_load_run_of_mixed_requests(tmp_path, agg_fp32):
-    """Issue 14's load run: 300 requests at concurrency 8 through disagg_router, images of three
-    sizes, streamed and not, bad inputs mixed in: every good answer equals agg's, every bad one
-    gets its 4xx, no 5xx, and the frontend's memory stays bounded."""
+@pytest.mark.parametrize("name", ["disagg", "disagg_router"])
+def test_a_load_run_of_mixed_requests(tmp_path, agg_fp32, name):
+    """Issue 14's load run (issue 35: through both P/D graphs): 300 requests at concurrency 8,
+    images of three sizes, streamed and not, bad inputs mixed in: every good answer equals agg's,
+    every bad one gets its 4xx, no 5xx, and the frontend's memory stays bounded."""
     from concurrent.futures import ThreadPoolExecutor
 
     import psutil
 
-    graph = Graph("graphs.disagg_router:Frontend",
-                  _with_engine_args("configs/disagg_router.yaml", tmp_path, FP32), tmp_path)
+    graph = Graph(f"graphs.{name}:Frontend",
+                  _with_engine_args(f"configs/{name}.yaml", tmp_path, FP32), tmp_path)
     with graph.failing_loudly():
         questions = _load_questions()
         frontend = psutil.Process(graph.replica_pids()["frontend-0"])
@@ -885,6 +985,7 @@ def test_a_load_run_of_mixed_requests(tmp_path, agg_fp32):
         assert not wrong, wrong[:5]
         assert sum(kind == "good" for kind, *_ in results) == 180
         assert growth_mb < 100, growth_mb
-        print(f"load run: 300 requests in {took:.0f} s, frontend RSS +{growth_mb:.0f} MiB")
+        print(f"load run ({name}): 300 requests in {took:.0f} s, frontend RSS "
+              f"+{growth_mb:.0f} MiB")
         _no_kv_held(graph)
         graph.stop()

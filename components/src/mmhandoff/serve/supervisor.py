@@ -20,7 +20,8 @@ earlier restarts); then serve gives up and stops the graph with exit 1. The only
 component is not restarted: a graph that lost a part says so instead of limping on.
 
 Discovery is a fresh file folder per run and requests go over TCP, unless the YAML names
-`etcd: <url>` (discovery through etcd) and/or `nats: <url>` (requests over NATS). NIXL
+`etcd: <url>` (discovery through etcd) and/or `nats: <url>` (requests over NATS); with
+`tls: {ca, cert, key}` every plane that can leave the host is mutual TLS (plane.tls). NIXL
 side-channel ports are picked free per replica.
 """
 
@@ -44,6 +45,7 @@ from pathlib import Path
 
 from mmhandoff.plane.handoff_keys import KEY_ENV, KEY_FILE_ENV
 from mmhandoff.plane.ports import free_port
+from mmhandoff.plane.tls import TlsConfigError, tls_env
 from mmhandoff.process.health import ENGINE_DEAD, free_system_port
 from mmhandoff.serve.gpus import PlacementError, Slot, place, share_args, visible_gpus
 from mmhandoff.serve.graph import Component
@@ -127,12 +129,18 @@ def check_config(components, config: dict, config_path: str, target: str) -> Non
 
 
 def runtime_env(config: dict) -> dict[str, str]:
-    """Where the components find each other: files (default), or the YAML's etcd and NATS."""
+    """Where the components find each other: files (default), or the YAML's etcd and NATS; and
+    with the YAML's `tls`, TLS on each plane (plane.tls)."""
     env = {}
     if config.get("etcd"):
         env.update(ETCD_ENDPOINTS=str(config["etcd"]), MMHANDOFF_DISCOVERY="etcd")
     if config.get("nats"):
         env.update(NATS_SERVER=str(config["nats"]), MMHANDOFF_REQUEST_PLANE="nats")
+    if config.get("tls") is not None:
+        try:
+            env.update(tls_env(config["tls"], etcd=config.get("etcd"), nats=config.get("nats")))
+        except TlsConfigError as e:
+            raise GraphError(str(e)) from None
     return env
 
 
