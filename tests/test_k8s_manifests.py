@@ -187,3 +187,25 @@ def test_versions_agree_with_pyproject(rendered):
     for docs in rendered.values():
         for component in _components(docs).values():
             assert component["runtimeVersionOverride"] == runtime
+
+
+def test_the_tls_overlay_mounts_the_certificates_where_the_runtime_reads_them(rendered):
+    """An overlay with the tls component: every component mounts the Secret, and the graph's
+    environment is what `serve` gives its components for the YAML's tls (plane.tls), with the
+    Secret's file names."""
+    from mmhandoff.plane.tls import tls_variables
+
+    with_tls = [name for name, docs in rendered.items()
+                if any(e["name"].startswith("DYN_TCP_TLS_") for e in _graph(docs)["spec"]["env"])]
+    assert with_tls == ["disagg-router-llava-7b-scale-out"]
+    for name in with_tls:
+        graph = _graph(rendered[name])
+        env = {e["name"]: e.get("value") for e in graph["spec"]["env"]
+               if e["name"].startswith("DYN_TCP_TLS_")}
+        assert env == tls_variables("/etc/mmhandoff/tls/ca.crt", "/etc/mmhandoff/tls/tls.crt",
+                                    "/etc/mmhandoff/tls/tls.key"), name
+        for module, component in _components(rendered[name]).items():
+            spec = component["podTemplate"]["spec"]
+            assert {"name": "tls", "secret": {"secretName": "mmhandoff-tls"}} in spec["volumes"]
+            assert {"name": "tls", "mountPath": "/etc/mmhandoff/tls", "readOnly": True} in \
+                _main(component)["volumeMounts"], (name, module)

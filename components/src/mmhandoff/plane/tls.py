@@ -36,7 +36,12 @@ def tls_env(tls: dict, *, etcd: str | None = None, nats: str | None = None) -> d
         if not path.is_file():
             raise TlsConfigError(f"tls.{name}: no such file {str(path)!r}")
         paths[name] = str(path)
-    ca, cert, key = paths["ca"], paths["cert"], paths["key"]
+    return tls_variables(paths["ca"], paths["cert"], paths["key"], etcd=etcd, nats=nats)
+
+
+def tls_variables(ca: str, cert: str, key: str, *, etcd: str | None = None,
+                  nats: str | None = None) -> dict[str, str]:
+    """The runtime's variables for these files (not checked: a pod's mount, say)."""
     env = {"DYN_TCP_TLS_CERT_PATH": cert, "DYN_TCP_TLS_KEY_PATH": key,
            "DYN_TCP_TLS_CLIENT_CA_CERT_PATH": ca,  # the server requires client certificates
            "DYN_TCP_TLS_CA_CERT_PATH": ca,
