@@ -121,10 +121,9 @@ ERRORS = (HandoffError, KVCoverageError, EngineInputError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mmhandoff.decode.claims import ClaimClient
     from mmhandoff.decode.full_media import FullMediaDecodeWorker, InvalidFullMedia
     from mmhandoff.process.engine_worker import run
-
-    from mmhandoff.decode.claims import ClaimClient
 
     def make_worker(engine, context):
         args = context.args

@@ -94,9 +94,10 @@ class PrefillWorker:
                  publish_prefixes: Callable[[dict[str, list]], None] | None = None,
                  claims: ClaimBook | None = None) -> None:
         """`key`: sign every handoff with it, with a nonce and an expiry `ttl_s` from now
-        (decode is given the same key). `claims`: with a key, each handoff that names KV names
-        this prefill as where to claim it, and the book grants it once (prefill.claims). `router` (a RouterLookup) and `bypass_max_tokens` > 0:
-        skip the engine for a prompt a decode replica can answer from its own cache (bypass)."""
+        (decode is given the same key). `router` (a RouterLookup) and `bypass_max_tokens` > 0:
+        skip the engine for a prompt a decode replica can answer from its own cache (bypass).
+        `claims`: with a key, each handoff that names KV names this prefill as where to claim
+        it, and the book grants it once (prefill.claims)."""
         self.engine = engine
         self.prompts = PromptBuilder(engine, limits)
         self.key, self.ttl_s = key, ttl_s

@@ -14,8 +14,8 @@ TTL: an HMAC-SHA256 over the whole message, including a fresh nonce and an expir
 refuses one that is unsigned, signed with no key it has, tampered (an image hash relabelled,
 token ids or block ids changed), expired, or seen before (`ReplayGuard`, per decode replica;
 across the graph, a handoff that names KV is claimed at its prefill before the pull:
-prefill.claims). Prefill's signature is what binds an image's hash to the KV the handoff names. Expiry is
-prefill's wall clock against decode's: hosts must agree within the TTL (NTP does).
+prefill.claims). Prefill's signature is what binds an image's hash to the KV the handoff names.
+Expiry is prefill's wall clock against decode's: hosts must agree within the TTL (NTP does).
 """
 
 from __future__ import annotations
