@@ -461,12 +461,9 @@ asyncio.run(asyncio.wait_for(main(), 60))
 def _refused_without_a_certificate(graph: Graph, certs: dict[str, str]) -> None:
     """On a plane with mutual TLS: a caller that trusts the CA but has no certificate of its own
     reaches no endpoint (the TLS handshake fails); one with the graph's certificate does."""
-    import psutil
-
     from mmhandoff.plane.tls import tls_env
 
-    namespace = yaml.safe_load(graph.config.read_text())["namespace"]
-    discovery = psutil.Process(graph.replica_pids()["decode-0"]).environ()["DYN_FILE_KV"]
+    namespace, discovery = _plane_of(graph)
 
     def call_as(identity: dict[str, str]) -> list:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_TCP_TLS_")}
@@ -518,19 +515,26 @@ def _replayed_to_each_decode_replica(graph: Graph) -> None:
     _no_kv_held(graph)
 
 
+def _plane_of(graph: Graph) -> tuple[str, str]:
+    """The graph's namespace and discovery folder (serve's run folder, from a worker's
+    environment): what another process needs to join its plane."""
+    import psutil
+
+    worker = next(pid for name, pid in graph.replica_pids().items() if name != "frontend-0")
+    return (yaml.safe_load(graph.config.read_text())["namespace"],
+            psutil.Process(worker).environ()["DYN_FILE_KV"])
+
+
 def _on_the_plane(graph: Graph, talk, timeout: float = 120):
     """What `talk(rt, namespace)` returns, run by a Dynamo runtime of this process that joins
     the graph's plane (its discovery folder) as another component, or an attacker on the plane,
     would."""
     import asyncio
 
-    import psutil
-
     from mmhandoff.plane.runtime import runtime
 
-    namespace = yaml.safe_load(graph.config.read_text())["namespace"]
-    worker = next(pid for name, pid in graph.replica_pids().items() if name != "frontend-0")
-    settings = {"DYN_FILE_KV": psutil.Process(worker).environ()["DYN_FILE_KV"]}
+    namespace, discovery = _plane_of(graph)
+    settings = {"DYN_FILE_KV": discovery}
 
     async def joined():
         rt = runtime(asyncio.get_running_loop(), discovery="file", request_plane="tcp")
