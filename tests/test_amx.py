@@ -24,6 +24,11 @@ def permitted():
     return bool(mask.value & (1 << 18))  # XTILEDATA
 
 before = permitted()
+# vLLM's platform probe (3 s of imports) stood in for by its answer on this host: a CPU platform
+import types
+platforms = types.ModuleType("vllm.platforms")
+platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: True)
+sys.modules["vllm.platforms"] = platforms
 import torch
 amx = torch.cpu._is_amx_tile_supported()
 with_torch = permitted()

@@ -64,7 +64,7 @@ def server(loop, backends):
 @pytest.fixture(scope="module")
 def open_server(loop, backends):
     """Loopback allowed for image URLs (the test image server lives there)."""
-    policy = FetchPolicy(allow_networks=FetchPolicy.networks("127.0.0.0/8"), timeout_s=2)
+    policy = FetchPolicy(allow_networks=FetchPolicy.networks("127.0.0.0/8"), timeout_s=1)
     url, runner = _serve(loop, backends, fetch_policy=policy)
     yield url
     loop.run(runner.cleanup())

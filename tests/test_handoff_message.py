@@ -89,7 +89,7 @@ def handoffs(draw):
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(handoffs())
 def test_round_trip_is_lossless(h):
     assert decode_handoff(encode_handoff(h)) == h
@@ -99,7 +99,7 @@ def test_round_trip_is_lossless(h):
     check_admission(h, fingerprint=FP, grid_merge=None if h.features.mm_grids is None else 2)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(handoffs(), st.data())
 def test_truncated_messages_get_a_typed_error(h, data):
     wire = encode_handoff(h)
@@ -108,7 +108,7 @@ def test_truncated_messages_get_a_typed_error(h, data):
         decode_handoff(wire[:cut])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(handoffs(), st.data())
 def test_corrupted_messages_never_crash(h, data):
     wire = bytearray(encode_handoff(h))

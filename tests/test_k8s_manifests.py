@@ -26,13 +26,14 @@ OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir())
 CRD = ROOT / "tests" / "data" / "k8s-crds" / "nvidia.com_dynamographdeployments.yaml"
 CRD_SHA256 = "055d7331cfbf1cca6864ee9005239de7e869dd79d69418126a52634d009c55d8"  # SOURCE.md
 KUBERNETES = "1.37.0"  # the newest schemas kubernetes-validate ships
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the CRD in 0.15 s, not 5
 
 
 def render(path: Path) -> list[dict]:
     out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return [d for d in yaml.load_all(out.stdout, Loader=LOADER) if d]
 
 
 def _strict(schema):
@@ -56,7 +57,7 @@ def _graph_validator():
     import hashlib
 
     assert hashlib.sha256(CRD.read_bytes()).hexdigest() == CRD_SHA256  # the operator's, as is
-    crd = yaml.safe_load(CRD.read_text())
+    crd = yaml.load(CRD.read_text(), Loader=LOADER)
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1beta1")
     schema = _strict(version["schema"]["openAPIV3Schema"])
     schema["properties"]["metadata"] = {"type": "object"}  # the API server's own, not the CRD's
