@@ -57,14 +57,14 @@ PD_SHARE = 0.45  # as configs/gpu/disagg.yaml's engines on one GPU
 PROFILED = ("640x480", 32, 128)  # --profile: this cell again, under py-spy
 
 
-def images() -> dict[str, list[str]]:
+def images(profiled=PROFILED) -> dict[str, list[str]]:
     """Distinct data URIs per image size: enough for every cell plus a warm-up (and the profiled
     cell), shared by the arms (each arm's engines are fresh, so no arm finds another's images
     cached)."""
     out = {}
     for size, (w, h) in SIZES.items():
         n = sum(r for s, _, r in CELLS if s == size) + 4
-        n += PROFILED[2] if size == PROFILED[0] else 0
+        n += profiled[2] if size == profiled[0] else 0
         out[size] = ["data:image/jpeg;base64," + base64.b64encode(jpeg(w, h, 7000 + i)).decode()
                      for i in range(n)]
     return out
@@ -252,7 +252,7 @@ def stop_profilers(procs: list) -> None:
 
 
 async def run_arm(arm: str, model: str, pool: dict, log_dir: Path,
-                  profile: Path | None = None) -> dict:
+                  profile: Path | None = None, profiled=PROFILED) -> dict:
     import aiohttp
 
     print(f"[vs_vllm] {arm}: starting", flush=True)
@@ -276,7 +276,7 @@ async def run_arm(arm: str, model: str, pool: dict, log_dir: Path,
                 print(f"[vs_vllm] {arm} {size} C{conc}: " + ", ".join(
                     f"{k} {v:.1f}" for k, v in result.items()), flush=True)
             if profile is not None:
-                size, conc, n = PROFILED
+                size, conc, n = profiled
                 profilers = start_profilers(servers, profile, arm)
                 try:
                     result = await cell(session, arm, servers,
@@ -328,8 +328,12 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--out", help="write the results (JSON) here too")
     parser.add_argument("--profile", metavar="DIR",
-                        help=f"after the cells, run {PROFILED[0]} at C{PROFILED[1]} again with "
-                             "py-spy on each serving process (collapsed stacks into DIR)")
+                        help="after the cells, run one cell again (--profile-cell) with py-spy on "
+                             "each serving process (collapsed stacks into DIR)")
+    parser.add_argument("--profile-cell", metavar="SIZE,CONC,N",
+                        default=",".join(map(str, PROFILED)),
+                        help="the cell --profile runs again: image size, concurrency, requests "
+                             "(default %(default)s)")
     parser.add_argument("--report", nargs="+", metavar="JSON",
                         help="print the tables of earlier runs' results, merged")
     args = parser.parse_args(argv)
@@ -340,6 +344,10 @@ def main(argv=None) -> int:
         report(merged)
         return 0
     arms = args.arms.split(",")
+    size, conc, n = args.profile_cell.split(",")
+    if size not in SIZES:
+        parser.error(f"--profile-cell: unknown size {size}; known: {', '.join(SIZES)}")
+    profiled = (size, int(conc), int(n))
     unknown = set(arms) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
@@ -349,11 +357,12 @@ def main(argv=None) -> int:
     log_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="vs-vllm-"))
     t0 = time.monotonic()
     # the 12 MP JPEGs take a while to make: runs on one machine (arms in several calls) share
-    cache = Path(tempfile.gettempdir()) / f"vs-vllm-images-{len(CELLS)}-{PROFILED[2]}.json"
+    name = f"vs-vllm-images-{len(CELLS)}-{'-'.join(map(str, profiled))}.json"
+    cache = Path(tempfile.gettempdir()) / name
     if cache.exists():
         pool = json.loads(cache.read_text())
     else:
-        pool = images()
+        pool = images(profiled)
         cache.write_text(json.dumps(pool))
     print(f"[vs_vllm] images ready in {time.monotonic() - t0:.0f} s; logs in {log_dir}",
           flush=True)
@@ -361,7 +370,8 @@ def main(argv=None) -> int:
     # stopped from outside (a `timeout`): each arm's finally stops its servers, which run in
     # sessions of their own and would otherwise keep the GPU for whatever runs next
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    results = {arm: asyncio.run(run_arm(arm, model, pool, log_dir, profile)) for arm in arms}
+    results = {arm: asyncio.run(run_arm(arm, model, pool, log_dir, profile, profiled))
+               for arm in arms}
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     report(results)
