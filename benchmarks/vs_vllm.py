@@ -13,10 +13,14 @@ Arms, one up at a time, each with what its own configuration gives it on one GPU
            image, as vLLM's P/D does);
 - agg:     `mmhandoff serve graphs.agg:Frontend -f configs/gpu/agg.yaml`;
 - disagg:  `mmhandoff serve graphs.disagg:Frontend -f configs/gpu/disagg.yaml` (prefill and decode
-           share the GPU, 0.45 each).
+           share the GPU, 0.45 each);
+- agg-serial: the agg graph with vLLM's own renderer setting (`--engine-arg
+           renderer_num_workers=1`: one thread processes every request's images, with vLLM's
+           processed-image cache) instead of the GPU default (several threads, no cache).
 The shipped configs as they are: no engine argument is passed by hand. The client (aiohttp,
 streaming chat, greedy, `ignore_eos`, MAX_TOKENS output tokens) sends distinct JPEGs (no prefix
-cache helps), at 640x480 and 12 MP, at 1, 8 and 32 in flight (12 MP: 1 and 8). Per cell: TTFT
+cache helps), at 640x480 and 12 MP, at 1, 8 and 32 in flight (12 MP: 1 and 8), then the 12 MP
+C1 cell's images once more (a follow-up turn about the same image). Per cell: TTFT
 p50/p95 (request sent to the first content token received), inter-token p50 (each request's mean
 gap between content chunks), requests/s. Then the issue's ratios: disagg / vLLM P/D requests/s
 (target >= 1.0 in every cell), disagg / vLLM P/D TTFT p50 at 12 MP (<= 0.75), agg / vllm serve
@@ -50,7 +54,11 @@ SHAPE = "llava-1.5-7b"
 CELLS = [("640x480", 1, 8), ("640x480", 8, 32), ("640x480", 32, 64),
          ("12MP", 1, 6), ("12MP", 8, 16)]  # (image, concurrency, requests)
 SIZES = {"640x480": (640, 480), "12MP": (4000, 3000)}
-ARMS = ("vllm", "vllm-pd", "agg", "disagg")
+ARMS = ("vllm", "vllm-pd", "agg", "disagg", "agg-serial")
+# agg-serial: the agg graph with vLLM's own renderer setting (one thread processing images, with
+# its processed-image cache) instead of the GPU default (several threads, no cache: issue 37)
+SERIAL_RENDERER = ["--engine-arg", "renderer_num_workers=1"]
+AGAIN = "12MP C1 again"  # the 12 MP C1 cell's images once more: a follow-up turn's TTFT
 PD_SHARE = 0.45  # as configs/gpu/disagg.yaml's engines on one GPU
 
 
@@ -168,9 +176,17 @@ def start_arm(arm: str, model: str, log_dir: Path) -> tuple[list[Server], float]
                                   log_dir, env))
             servers[-1].wait()  # one after the other: vLLM sizes its KV from free memory
     else:
-        p = port()
+        p, graph, config = port(), arm.split("-")[0], f"configs/gpu/{arm.split('-')[0]}.yaml"
+        if arm == "agg-serial":
+            import yaml
+
+            spec = yaml.safe_load(Path(config).read_text())
+            spec["components"]["agg"]["args"] = [*spec["components"]["agg"].get("args", []),
+                                                 *SERIAL_RENDERER]
+            config = str(log_dir / "agg-serial.yaml")
+            Path(config).write_text(yaml.safe_dump(spec))
         servers = [Server(arm, [sys.executable, "-m", "mmhandoff", "serve",
-                                f"graphs.{arm}:Frontend", "-f", f"configs/gpu/{arm}.yaml",
+                                f"graphs.{graph}:Frontend", "-f", config,
                                 "--port", str(p)], p, log_dir)]
         servers[0].wait(900)
     return servers, time.monotonic() - t0
@@ -268,12 +284,15 @@ async def run_arm(arm: str, model: str, pool: dict, log_dir: Path,
             for size in SIZES:  # warm-up: the first requests of a fresh engine are slow
                 await cell(session, arm, servers, pool[size][:4], 4)
             used = {size: 4 for size in SIZES}
+            again = None
             for size, conc, n in CELLS:
                 uris = pool[size][used[size]:used[size] + n]
                 used[size] += n
-                result = await cell(session, arm, servers, uris, conc)
-                out["cells"][f"{size} C{conc}"] = result
-                print(f"[vs_vllm] {arm} {size} C{conc}: " + ", ".join(
+                again = uris if (size, conc) == ("12MP", 1) else again
+                out["cells"][f"{size} C{conc}"] = await cell(session, arm, servers, uris, conc)
+            out["cells"][AGAIN] = await cell(session, arm, servers, again, 1)
+            for name, result in out["cells"].items():
+                print(f"[vs_vllm] {arm} {name}: " + ", ".join(
                     f"{k} {v:.1f}" for k, v in result.items()), flush=True)
             if profile is not None:
                 size, conc, n = profiled
@@ -292,7 +311,7 @@ async def run_arm(arm: str, model: str, pool: dict, log_dir: Path,
 
 
 def report(results: dict) -> None:
-    cells = [f"{s} C{c}" for s, c, _ in CELLS]
+    cells = [f"{s} C{c}" for s, c, _ in CELLS] + [AGAIN]
     arms = [a for a in ARMS if a in results]
     print(f"\n{MAX_TOKENS} output tokens, {SHAPE} shape (dummy weights, bf16), one GPU\n")
     print("| arm | start s | " + " | ".join(f"{c} TTFT p50/p95 ms, ITL ms, req/s"
@@ -320,6 +339,9 @@ def report(results: dict) -> None:
         if {"agg", "vllm"} <= set(arms):
             line.append(f"agg/vllm serve req/s {ratio('agg', 'vllm', c, 'rps'):.2f}"
                         + (" (>= 0.95)" if c.endswith(("C8", "C32")) else ""))
+        if {"agg", "agg-serial"} <= set(arms):
+            line.append("agg/agg-serial TTFT p50 "
+                        f"{ratio('agg', 'agg-serial', c, 'ttft_p50_ms'):.2f}")
         print(" ".join(line))
 
 

@@ -36,8 +36,14 @@ CONNECTOR = "mmhandoff.vllm_adapter.core.connector.MMHandoffNixlConnector"
 # nothing), a context that fits the tests' prompts, and a batch the 2-core machine can step.
 PLATFORM_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"max_model_len": 2048, "max_num_seqs": 8, "enforce_eager": True},
-    "gpu": {},
+    "gpu": {"renderer_workers": "auto"},
 }
+# vLLM runs the model's image processor for one request at a time, on one thread, unless it has
+# more renderer workers (which it allows only without its processed-image cache: the cache is
+# not thread-safe). On a GPU host a 12 MP image's processing is tens of ms of CPU, so 8 requests'
+# images queue behind each other while the cores idle (issue 37). "auto": this many threads at
+# most, and no more than the process's cores.
+AUTO_RENDERER_WORKERS = 8
 
 
 @dataclass
@@ -52,6 +58,10 @@ class EngineSpec:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     enforce_eager: bool | None = None
+    # threads processing images in vLLM's renderer: None: the platform's default (one on a CPU,
+    # with vLLM's processed-image cache, which lets a repeated image travel without pixels;
+    # "auto" on a GPU, without that cache); more than one turns the cache off
+    renderer_workers: int | str | None = None
     dtype: str = "auto"
     seed: int = 0
     kv_cache_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
@@ -92,6 +102,13 @@ class EngineSpec:
         if not 0 <= self.block_hash_seed <= 2**32 - 1:  # what PYTHONHASHSEED accepts
             raise ValueError(
                 f"block_hash_seed must be in [0, 2**32 - 1], got {self.block_hash_seed}")
+        if self.renderer_workers not in (None, "auto"):
+            _check_renderer_workers(self.renderer_workers)
+
+
+def _check_renderer_workers(workers: Any) -> None:
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"renderer workers must be a positive integer or 'auto', got {workers!r}")
 
 
 def on_cpu() -> bool:
@@ -148,8 +165,27 @@ def engine_args(spec: EngineSpec):
             enable_kv_cache_events=True, publisher="zmq", endpoint=spec.kv_events_endpoint,
             topic="kv-events",
         )
+    kw.update(renderer_settings(spec, "cpu" if on_cpu() else "gpu"))
     kw.update(spec.extra)
     return AsyncEngineArgs(**kw)
+
+
+def renderer_settings(spec: EngineSpec, platform: str) -> dict[str, Any]:
+    """How many threads process a request's images (vLLM's renderer workers), and the cache
+    setting that many requires. An --engine-arg renderer_num_workers (or mm_processor_cache_gb)
+    wins; decode processes no media."""
+    if spec.role == "decode":
+        return {}
+    workers = spec.extra.get("renderer_num_workers", spec.renderer_workers)
+    if workers is None:
+        workers = PLATFORM_DEFAULTS[platform].get("renderer_workers", 1)
+    if workers == "auto":
+        workers = min(AUTO_RENDERER_WORKERS, len(os.sched_getaffinity(0)))
+    _check_renderer_workers(workers)
+    out: dict[str, Any] = {"renderer_num_workers": workers}
+    if workers > 1 and "mm_processor_cache_gb" not in spec.extra:
+        out["mm_processor_cache_gb"] = 0
+    return out
 
 
 def platform_settings(spec: EngineSpec, platform: str) -> dict[str, Any]:
