@@ -168,3 +168,62 @@ def test_engines_batch_as_vllm_serve_does_on_a_gpu(gpu):
     for engine in engines.values():
         config = engine.llm.vllm_config.scheduler_config
         assert (config.max_num_batched_tokens, config.max_num_seqs) == (tokens, seqs)
+
+
+def test_images_are_processed_on_several_threads_on_a_gpu(loop, gpu):
+    """Issue 37: a GPU engine that processes images has several renderer threads (vLLM then
+    keeps no processed-image cache), and images rendered side by side come out as each does
+    alone."""
+    import asyncio
+
+    import torch
+
+    from mmhandoff.media.images import decode_image
+    from mmhandoff.vllm_adapter.engine import AUTO_RENDERER_WORKERS
+
+    engines, _ = gpu
+    prefill = engines["prefill"]
+    threads = min(AUTO_RENDERER_WORKERS, len(os.sched_getaffinity(0)))
+    assert prefill.llm.model_config.renderer_num_workers == threads > 1
+    assert prefill.llm.renderer.mm_processor_cache is None
+    assert engines["decode"].llm.model_config.renderer_num_workers == 1  # no media
+    prompt = prefill.chat_prompt([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What is this?"}]}])
+    images = [decode_image(encode(make_image(1600, 1200, 50 + i), "JPEG")) for i in range(8)]
+
+    def seen(r):
+        prefill.discard(r)
+        pixels = [t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                  for t in _pixel_tensors(r.engine_input)]
+        assert pixels  # the processed image is in the render
+        return r.token_ids, r.features, pixels
+
+    alone = [seen(loop.run(prefill.render(prompt, [image]))) for image in images]
+
+    async def together():
+        return await asyncio.gather(*(prefill.render(prompt, [image]) for image in images))
+
+    assert [seen(r) for r in loop.run(together())] == alone
+    assert len({f.mm_hashes["image"][0] for _, f, _ in alone}) == len(images)
+
+
+def _pixel_tensors(engine_input) -> list:
+    """The processed image tensors a render hands the engine core (vLLM's kwargs items)."""
+    import torch
+
+    found = []
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif hasattr(x, "__dict__"):
+            walk(vars(x))
+
+    walk(engine_input.get("mm_kwargs"))
+    return found
