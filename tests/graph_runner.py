@@ -113,7 +113,8 @@ class Graph:
             left = _alive_in(sessions)
         assert not left, _describe(left)
         if self.started:  # a graph that was up, stopped or crashed, leaves no shared memory
-            assert not _shm() - self.shm_before, _shm() - self.shm_before
+            new = _shm() - self.shm_before
+            assert not new - held_by_live_processes(new), new
         # nor files in the temp dir: serve removes its run's directory (discovery, the
         # replicas' TMPDIR with vLLM's socket files)
         assert not _tmp() - self.tmp_before, _tmp() - self.tmp_before
@@ -168,6 +169,27 @@ class Graph:
 
 def _shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
+
+
+def held_by_live_processes(names: set[str]) -> set[str]:
+    """Those of `names` (files in /dev/shm) that a running process has open or mapped. Called
+    once every process of a graph has exited, so these are another program's on this machine:
+    /dev/shm is machine-wide, and a check of everything new there failed graph tests whenever
+    anything else on the host made shared memory meanwhile. (A named semaphore is a mapped file,
+    `sem.*`; Python's and vLLM's shared memory blocks are `psm_*`.)"""
+    held: set[str] = set()
+    for pid in (entry for entry in os.listdir("/proc") if entry.isdigit()):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                held.update(line.split("/dev/shm/", 1)[1].split(" ", 1)[0].rstrip("\n")
+                            for line in maps if "/dev/shm/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    held.add(target[len("/dev/shm/"):])
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return names & held
 
 
 def _tmp() -> set[str]:
