@@ -1,8 +1,11 @@
-"""An M-RoPE model (the tiny Qwen2-VL) on the media-free decode path: each image's grid travels
-in the handoff (v5), decode's engine computes positions from it, and answers equal the
-aggregated engine's and full-media P/D's token for token."""
+"""M-RoPE models (the tiny Qwen2-VL and Qwen2.5-VL: every test runs on each) on the media-free
+decode path: each image's grid travels in the handoff (v5), decode's engine computes positions
+from it, and answers equal the aggregated engine's and full-media P/D's token for token."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -26,11 +29,11 @@ pytestmark = pytest.mark.engine
 MERGE = 2  # the tiny model's spatial merge (mmhandoff.models.tiny_qwen2_vl)
 
 
-@pytest.fixture(scope="module")
-def qwen_model() -> str:
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen_model(request) -> str:
     from mmhandoff.models.tiny import ensure_tiny_model
 
-    return str(ensure_tiny_model(arch="qwen2_vl"))
+    return str(ensure_tiny_model(arch=request.param))
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +112,13 @@ def test_answers_depend_on_the_image(loop, qwen):
 
 def test_vllm_greedy_equals_transformers(loop, qwen, qwen_model):
     """The builder writes a model vLLM and transformers read alike: transformers' greedy
-    answer (its own processor, its own M-RoPE code) is the aggregated engine's."""
+    answer (its own processor, its own vision tower and M-RoPE code) is the aggregated
+    engine's."""
     import io
 
     import torch
     from PIL import Image
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     prefill, _, _, full_engine, *_ = qwen
     blob = encode(make_image(320, 240, 23))
@@ -123,7 +127,9 @@ def test_vllm_greedy_equals_transformers(loop, qwen, qwen_model):
     ours = loop.run(agg_run(prefill, full_engine, "q-hf", messages, s))
 
     processor = AutoProcessor.from_pretrained(qwen_model)
-    model = Qwen2VLForConditionalGeneration.from_pretrained(qwen_model, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(qwen_model, dtype=torch.float32)
+    assert type(model).__name__ == json.loads(
+        (Path(qwen_model) / "config.json").read_text())["architectures"][0]
     text = prefill.prompts.text(PrefillRequest(request_id="q-hf", messages=messages,
                                                sampling=s))
     inputs = processor(text=[text], images=[Image.open(io.BytesIO(blob)).convert("RGB")],

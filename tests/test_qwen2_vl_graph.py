@@ -1,6 +1,6 @@
-"""The tiny Qwen2-VL served by `mmhandoff serve` (configs/disagg_qwen2_vl.yaml): each image's
-grid crosses the graph in the handoff (through Dynamo), and the disagg graph answers exactly
-as the agg graph does with the same model."""
+"""The tiny Qwen2-VL and Qwen2.5-VL served by `mmhandoff serve` (configs/disagg_qwen2_vl.yaml):
+each image's grid crosses the graph in the handoff (through Dynamo), and the disagg graph
+answers exactly as the agg graph does with the same model."""
 
 from __future__ import annotations
 
@@ -15,21 +15,20 @@ from tests.graph_runner import Graph
 
 pytestmark = pytest.mark.graph
 
-MODEL = "tiny-qwen2-vl"
 FP32 = ["--engine-arg", "dtype=float32"]  # greedy parity without bf16 rounding between engines
 
 
-def _config(source: str, tmp: Path) -> str:
-    """`source` serving the tiny Qwen2-VL in fp32."""
+def _config(source: str, tmp: Path, model: str) -> str:
+    """`source` serving the tiny `model` in fp32."""
     spec = yaml.safe_load(Path(source).read_text())
-    spec["model"] = MODEL
+    spec["model"] = model
     for name, component in spec["components"].items():
         args = component.setdefault("args", [])
         if name == "frontend":
-            args[args.index("--model-name") + 1] = MODEL
+            args[args.index("--model-name") + 1] = model
         else:
             args += FP32
-    out = tmp / f"qwen2-vl-{Path(source).name}"
+    out = tmp / f"{model}-{Path(source).name}"
     out.write_text(yaml.safe_dump(spec))
     return str(out)
 
@@ -41,7 +40,7 @@ QUESTIONS = {
 }
 
 
-def _answers(url: str) -> dict:
+def _answers(url: str, model: str) -> dict:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     out = {}
     for name, images in QUESTIONS.items():
@@ -49,7 +48,7 @@ def _answers(url: str) -> dict:
             encode(make_image(w, h, seed), fmt), "image/jpeg" if fmt == "JPEG" else "image/png")}}
             for w, h, fmt, seed in images]
         r = client.chat.completions.create(
-            model=MODEL, max_tokens=12, temperature=0, extra_body={"ignore_eos": True},
+            model=model, max_tokens=12, temperature=0, extra_body={"ignore_eos": True},
             messages=[{"role": "user", "content": [*parts, {"type": "text",
                                                             "text": "What do you see?"}]}])
         out[name] = (r.choices[0].message.content, r.usage.prompt_tokens,
@@ -57,15 +56,16 @@ def _answers(url: str) -> dict:
     return out
 
 
-def test_the_disagg_graph_serves_qwen2_vl_as_the_agg_graph(tmp_path):
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+def test_the_disagg_graph_serves_qwen_vl_as_the_agg_graph(tmp_path, model):
     answers = {}
     for graph_name, source in (("agg", "configs/agg.yaml"),
                                ("disagg", "configs/disagg_qwen2_vl.yaml")):
         tmp = tmp_path / graph_name
         tmp.mkdir()
-        graph = Graph(f"graphs.{graph_name}:Frontend", _config(source, tmp), tmp)
+        graph = Graph(f"graphs.{graph_name}:Frontend", _config(source, tmp, model), tmp)
         with graph.failing_loudly():
-            answers[graph_name] = _answers(graph.url)
+            answers[graph_name] = _answers(graph.url, model)
             graph.stop()
     for name in QUESTIONS:
         agg, disagg = answers["agg"][name], answers["disagg"][name]

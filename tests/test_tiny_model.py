@@ -17,15 +17,19 @@ def test_build_is_byte_identical(tmp_path):
     assert IMAGE_TOKENS == 64
 
 
-def test_the_qwen2_vl_build_is_byte_identical(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_the_qwen_vl_builds_are_byte_identical(tmp_path, arch):
+    import json
+
     from mmhandoff.models.tiny import builder
 
     a, b = tmp_path / "a", tmp_path / "b"
     for folder in (a, b):
         folder.mkdir()
-        builder("qwen2_vl")(folder)
+        builder(arch)(folder)
     assert tree_digest(a) == tree_digest(b)
     assert not any("transformers_version" in p.read_text() for p in a.glob("*.json"))
+    assert json.loads((a / "config.json").read_text())["model_type"] == arch
 
 
 def test_an_unknown_architecture_is_named():

@@ -7,8 +7,8 @@ weights are random (fixed seed): outputs are gibberish but deterministic, which 
 tests need.
 
 `ensure_tiny_model()` builds once into a cache folder (atomically: a half-built folder is never
-used) and returns its path; `ensure_tiny_model(arch="qwen2_vl")` does the same for the tiny
-Qwen2-VL-layout model (mmhandoff.models.tiny_qwen2_vl).
+used) and returns its path; `ensure_tiny_model(arch="qwen2_vl")` (or "qwen2_5_vl") does the same
+for the tiny Qwen2-VL- (Qwen2.5-VL-) layout model (mmhandoff.models.tiny_qwen2_vl).
 """
 
 from __future__ import annotations
@@ -41,15 +41,15 @@ CHAT_TEMPLATE = (
 )
 
 
-ARCHES = ("llava", "qwen2_vl")
+ARCHES = ("llava", "qwen2_vl", "qwen2_5_vl")
 
 
 def default_cache_dir(arch: str = "llava") -> Path:
     root = cache_root()
-    if arch == "qwen2_vl":
+    if arch in ("qwen2_vl", "qwen2_5_vl"):
         from mmhandoff.models.tiny_qwen2_vl import BUILD_VERSION as version
 
-        return Path(root) / f"tiny-qwen2-vl-v{version}"
+        return Path(root) / f"tiny-{arch.replace('_', '-')}-v{version}"
     return Path(root) / f"tiny-llava-v{BUILD_VERSION}"
 
 
@@ -57,10 +57,12 @@ def builder(arch: str):
     """The function that writes `arch`'s tiny model into a folder."""
     if arch == "llava":
         return build_tiny_model
-    if arch == "qwen2_vl":
+    if arch in ("qwen2_vl", "qwen2_5_vl"):
+        from functools import partial
+
         from mmhandoff.models.tiny_qwen2_vl import build_tiny_qwen2_vl
 
-        return build_tiny_qwen2_vl
+        return partial(build_tiny_qwen2_vl, variant=arch)
     raise ValueError(f"unknown tiny model architecture {arch!r}; known: {', '.join(ARCHES)}")
 
 

@@ -1,4 +1,5 @@
-"""A tiny random-weight Qwen2-VL-layout model: M-RoPE positions from each image's grid.
+"""Tiny random-weight Qwen2-VL- and Qwen2.5-VL-layout models: M-RoPE positions from each image's
+grid.
 
 Beside the LLaVA one (mmhandoff.models.tiny), for the position-state channel of the handoff:
 a 2-block Qwen2-VL vision tower (patch 14, 2x2 merge), a 2-layer Qwen2 text model (hidden 128,
@@ -6,6 +7,10 @@ head dim 64, M-RoPE sections 8/12/12) and a byte-level BPE tokenizer with Qwen's
 tokens. Images are resized to between 4 and 64 merged tokens (min/max pixels), keeping their
 aspect ratio, so that the grid differs with the image's shape and CPU runs stay fast.
 Byte-identical on every build (fixed seed, no version stamps).
+
+The Qwen2.5-VL variant (`build_tiny_qwen2_vl(out, variant="qwen2_5_vl")`) has the same text model,
+tokenizer and processor sizes, and Qwen2.5-VL's vision tower (RMSNorm and gated MLP blocks,
+window attention of 56 px with one full-attention block, as the 3B/7B models have every eighth).
 """
 
 from __future__ import annotations
@@ -36,17 +41,27 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_qwen2_vl(out: Path) -> None:
+VARIANTS = ("qwen2_vl", "qwen2_5_vl")
+
+
+def build_tiny_qwen2_vl(out: Path, variant: str = "qwen2_vl") -> None:
     """Write config, weights, tokenizer and processor files into `out` (an existing folder)."""
     import torch
     from transformers import (
         PreTrainedTokenizerFast,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
         Qwen2VLImageProcessor,
         Qwen2VLProcessor,
         Qwen2VLVideoProcessor,
     )
+
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown Qwen-VL variant {variant!r}; known: {', '.join(VARIANTS)}")
+    qwen25 = variant == "qwen2_5_vl"
 
     out = Path(out)
     tokenizer = PreTrainedTokenizerFast(
@@ -55,7 +70,19 @@ def build_tiny_qwen2_vl(out: Path) -> None:
     )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
     head_dim = 64
-    config = Qwen2VLConfig(
+    vision = dict(
+        depth=2, embed_dim=64, hidden_size=128, mlp_ratio=2, num_heads=2,
+        patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2,
+        initializer_range=0.5,
+    )
+    if qwen25:  # its tower's own fields: output width, gated MLP width, windows
+        vision = dict(
+            depth=2, hidden_size=64, out_hidden_size=128, intermediate_size=128, num_heads=2,
+            patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2,
+            window_size=56, fullatt_block_indexes=[1], tokens_per_second=2,
+            initializer_range=0.5,
+        )
+    config = (Qwen2_5_VLConfig if qwen25 else Qwen2VLConfig)(
         text_config=dict(
             vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4096,
@@ -66,26 +93,24 @@ def build_tiny_qwen2_vl(out: Path) -> None:
             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
         ),
-        vision_config=dict(
-            depth=2, embed_dim=64, hidden_size=128, mlp_ratio=2, num_heads=2,
-            patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2,
-            initializer_range=0.5,
-        ),
+        vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
     assert sum(config.text_config.rope_parameters["mrope_section"]) == head_dim // 2
-    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    model_class = (Qwen2_5_VLForConditionalGeneration if qwen25
+                   else Qwen2VLForConditionalGeneration)
+    config.architectures = [model_class.__name__]
 
     torch.manual_seed(SEED)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16).eval()
+    model = model_class(config).to(torch.bfloat16).eval()
     model.save_pretrained(out)  # vLLM maps transformers 5's key layout itself for Qwen2-VL
 
     tokenizer.chat_template = CHAT_TEMPLATE
     sizes = dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH_SIZE,
                  merge_size=MERGE_SIZE, temporal_patch_size=2)
-    processor = Qwen2VLProcessor(
+    processor = (Qwen2_5_VLProcessor if qwen25 else Qwen2VLProcessor)(
         image_processor=Qwen2VLImageProcessor(**sizes),
         video_processor=Qwen2VLVideoProcessor(**sizes),
         tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
