@@ -140,10 +140,10 @@ def test_decode_disables_every_medium_of_its_models_family(tmp_path, config, med
     assert engine_mod.engine_args(spec).limit_mm_per_prompt == media
 
 
-def test_images_are_processed_on_several_threads_on_a_gpu_and_the_cache_goes_with_it(
-        monkeypatch):
+def test_renderer_threads_are_vllms_one_unless_asked_and_more_turn_the_cache_off(monkeypatch):
     """Issue 37: vLLM processes one request's images at a time unless it has several renderer
-    workers, which it allows only without its processed-image cache."""
+    workers, which it allows only without its processed-image cache. One stays the default on
+    both platforms (a follow-up turn's image is then sent without pixels: docs/gpu.md)."""
     def renderer(role, **kw):
         args = engine_mod.engine_args(EngineSpec(model="m", role=role, **kw))
         return args.renderer_num_workers, args.mm_processor_cache_gb
@@ -152,22 +152,23 @@ def test_images_are_processed_on_several_threads_on_a_gpu_and_the_cache_goes_wit
 
     vllm_cache = AsyncEngineArgs(model="m").mm_processor_cache_gb
     assert vllm_cache > 0
-    for role in ("agg", "prefill", "full_media_decode"):  # this CPU machine: vLLM's one thread
-        assert renderer(role) == (1, vllm_cache)
-    assert renderer("decode") == (1, 0)  # no media: vLLM's default thread, no cache
-    monkeypatch.setattr(engine_mod, "on_cpu", lambda: False)
-    monkeypatch.setattr(engine_mod.os, "sched_getaffinity", lambda _pid: set(range(16)))
-    for role in ("agg", "prefill", "full_media_decode"):
-        assert renderer(role) == (engine_mod.AUTO_RENDERER_WORKERS, 0)
-    assert renderer("decode") == (1, 0)
-    monkeypatch.setattr(engine_mod.os, "sched_getaffinity", lambda _pid: {0, 1, 2})
-    assert renderer("agg") == (3, 0)  # never more threads than the process's cores
-    # set by hand: one thread keeps vLLM's cache (a repeated image then travels without pixels)
-    assert renderer("agg", extra={"renderer_num_workers": 1}) == (1, vllm_cache)
-    assert renderer("agg", renderer_workers=1) == (1, vllm_cache)
-    assert renderer("prefill", extra={"renderer_num_workers": 4}) == (4, 0)
-    monkeypatch.setattr(engine_mod, "on_cpu", lambda: True)
-    assert renderer("agg", renderer_workers=2) == (2, 0)
+    for on_cpu in (True, False):
+        monkeypatch.setattr(engine_mod, "on_cpu", lambda: on_cpu)
+        for role in ("agg", "prefill", "full_media_decode"):
+            assert renderer(role) == (1, vllm_cache)
+        assert renderer("decode") == (1, 0)  # no media: vLLM's default thread, no cache
+        monkeypatch.setattr(engine_mod.os, "sched_getaffinity", lambda _pid: set(range(16)))
+        for role in ("agg", "prefill", "full_media_decode"):
+            assert renderer(role, renderer_workers="auto") == (
+                engine_mod.AUTO_RENDERER_WORKERS, 0)
+        assert renderer("decode", renderer_workers="auto") == (1, 0)
+        monkeypatch.setattr(engine_mod.os, "sched_getaffinity", lambda _pid: {0, 1, 2})
+        assert renderer("agg", renderer_workers="auto") == (3, 0)  # never more than the cores
+        # an --engine-arg wins; one thread keeps the cache, and a cache asked for is kept
+        assert renderer("prefill", extra={"renderer_num_workers": 4}) == (4, 0)
+        assert renderer("agg", renderer_workers="auto",
+                        extra={"renderer_num_workers": 1}) == (1, vllm_cache)
+        assert renderer("agg", renderer_workers=2) == (2, 0)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "many", True])

@@ -45,8 +45,11 @@ def gpu(loop):
     ports = {role: free_port() for role in ("prefill", "decode")}
     # decode's connector fails the loads of requests marked for it (tests/fault_connector.py)
     fault = {"decode": "tests.fault_connector.FaultInjectingNixlConnector"}
+    # prefill processes images on several threads (without vLLM's processed-image cache): the
+    # parity tests run through that path, the full-media decode through vLLM's default one
     engines = {role: start(loop, EngineSpec(
         role=role, nixl_port=free_port(), **common, connector_module=fault.get(role),
+        renderer_workers="auto" if role == "prefill" else None,
         kv_events_endpoint=f"tcp://*:{ports[role]}" if role in ports else None))
         for role in ("prefill", "decode", "full_media_decode")}
     events = {role: KVEventSubscriber(f"tcp://127.0.0.1:{port}") for role, port in ports.items()}
@@ -171,9 +174,8 @@ def test_engines_batch_as_vllm_serve_does_on_a_gpu(gpu):
 
 
 def test_images_are_processed_on_several_threads_on_a_gpu(loop, gpu):
-    """Issue 37: a GPU engine that processes images has several renderer threads (vLLM then
-    keeps no processed-image cache), and images rendered side by side come out as each does
-    alone."""
+    """Issue 37: an engine asked for several renderer threads has them (and vLLM then keeps no
+    processed-image cache), and images rendered side by side come out as each does alone."""
     import asyncio
 
     import torch
@@ -186,7 +188,9 @@ def test_images_are_processed_on_several_threads_on_a_gpu(loop, gpu):
     threads = min(AUTO_RENDERER_WORKERS, len(os.sched_getaffinity(0)))
     assert prefill.llm.model_config.renderer_num_workers == threads > 1
     assert prefill.llm.renderer.mm_processor_cache is None
-    assert engines["decode"].llm.model_config.renderer_num_workers == 1  # no media
+    full = engines["full_media_decode"].llm  # the default: vLLM's one thread and its cache
+    assert full.model_config.renderer_num_workers == 1
+    assert full.renderer.mm_processor_cache is not None
     prompt = prefill.chat_prompt([{"role": "user", "content": [
         {"type": "image"}, {"type": "text", "text": "What is this?"}]}])
     images = [decode_image(encode(make_image(1600, 1200, 50 + i), "JPEG")) for i in range(8)]

@@ -36,13 +36,14 @@ CONNECTOR = "mmhandoff.vllm_adapter.core.connector.MMHandoffNixlConnector"
 # nothing), a context that fits the tests' prompts, and a batch the 2-core machine can step.
 PLATFORM_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"max_model_len": 2048, "max_num_seqs": 8, "enforce_eager": True},
-    "gpu": {"renderer_workers": "auto"},
+    "gpu": {},
 }
 # vLLM runs the model's image processor for one request at a time, on one thread, unless it has
-# more renderer workers (which it allows only without its processed-image cache: the cache is
-# not thread-safe). On a GPU host a 12 MP image's processing is tens of ms of CPU, so 8 requests'
-# images queue behind each other while the cores idle (issue 37). "auto": this many threads at
-# most, and no more than the process's cores.
+# more renderer workers, which it allows only without its processed-image cache (not
+# thread-safe), the cache that lets a repeated image reach the engine without its pixels. On an
+# H100 host, 8 threads took 12 MP TTFT at 8 in flight from 1205 to 1056 ms but a follow-up turn's
+# from 74 to 400 ms (docs/benchmarks.md): vLLM's one thread stays the default on every
+# platform; "auto": this many threads at most, and no more than the process's cores.
 AUTO_RENDERER_WORKERS = 8
 
 
@@ -58,9 +59,9 @@ class EngineSpec:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     enforce_eager: bool | None = None
-    # threads processing images in vLLM's renderer: None: the platform's default (one on a CPU,
-    # with vLLM's processed-image cache, which lets a repeated image travel without pixels;
-    # "auto" on a GPU, without that cache); more than one turns the cache off
+    # threads processing images in vLLM's renderer: None: vLLM's one, with its processed-image
+    # cache (a repeated image then travels without pixels); "auto" or more than one: side by
+    # side, and no cache
     renderer_workers: int | str | None = None
     dtype: str = "auto"
     seed: int = 0
