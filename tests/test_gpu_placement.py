@@ -137,8 +137,10 @@ def test_each_replica_gets_its_gpu_and_share_in_its_environment(monkeypatch):
         decode, prefill = started["mmhandoff.decode"], started["mmhandoff.prefill"]
         for command, env in (decode, prefill):
             assert env["CUDA_VISIBLE_DEVICES"] == "0"
-            assert command[command.index("--engine-arg") + 1] == "gpu_memory_utilization=0.45"
+            args = [command[i + 1] for i, a in enumerate(command) if a == "--engine-arg"]
+            assert "gpu_memory_utilization=0.45" in args
             assert command[command.index("--model") + 1] == "dummy:llava-1.5-7b"
+        assert "renderer_num_workers=8" in prefill[0]  # the YAML's own args are kept
         assert "CUDA_VISIBLE_DEVICES" not in started["mmhandoff.frontend"][1]
     finally:
         shutil.rmtree(sup.run_dir, ignore_errors=True)
