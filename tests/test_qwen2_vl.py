@@ -1,5 +1,5 @@
-"""M-RoPE models (the tiny Qwen2-VL and Qwen2.5-VL: every test runs on each) on the media-free
-decode path: each image's grid travels in the handoff (v5), decode's engine computes positions
+"""M-RoPE models (the tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL: every test runs on each) on the
+media-free decode path: each image's grid travels in the handoff (v5), decode's engine computes positions
 from it, and answers equal the aggregated engine's and full-media P/D's token for token."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.engine
 MERGE = 2  # the tiny model's spatial merge (mmhandoff.models.tiny_qwen2_vl)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def qwen_model(request) -> str:
     from mmhandoff.models.tiny import ensure_tiny_model
 

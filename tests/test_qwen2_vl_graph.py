@@ -1,5 +1,5 @@
-"""The tiny Qwen2-VL and Qwen2.5-VL served by `mmhandoff serve` (configs/disagg_qwen2_vl.yaml):
-each image's grid crosses the graph in the handoff (through Dynamo), and the disagg graph
+"""The tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL served by `mmhandoff serve`
+(configs/disagg_qwen2_vl.yaml): each image's grid crosses the graph in the handoff (through Dynamo), and the disagg graph
 answers exactly as the agg graph does with the same model."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _answers(url: str, model: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
 def test_the_disagg_graph_serves_qwen_vl_as_the_agg_graph(tmp_path, model):
     answers = {}
     for graph_name, source in (("agg", "configs/agg.yaml"),

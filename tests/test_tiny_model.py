@@ -17,7 +17,7 @@ def test_build_is_byte_identical(tmp_path):
     assert IMAGE_TOKENS == 64
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_the_qwen_vl_builds_are_byte_identical(tmp_path, arch):
     import json
 

@@ -53,7 +53,7 @@ class DecodeWorker:
         if engine.capabilities.mrope and engine.capabilities.grid_merge is None:
             raise UnsupportedModel("this M-RoPE model's positions need more of the media than "
                                    "each image's grid, which is all a handoff carries "
-                                   "(Qwen2-VL and Qwen2.5-VL are served)")
+                                   "(Qwen2-VL, Qwen2.5-VL and Qwen3-VL are served)")
         if engine.capabilities.encoder_decoder:
             raise UnsupportedModel("encoder-decoder models need the encoder output on decode")
         self.engine = engine

@@ -41,12 +41,12 @@ CHAT_TEMPLATE = (
 )
 
 
-ARCHES = ("llava", "qwen2_vl", "qwen2_5_vl")
+ARCHES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def default_cache_dir(arch: str = "llava") -> Path:
     root = cache_root()
-    if arch in ("qwen2_vl", "qwen2_5_vl"):
+    if arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         from mmhandoff.models.tiny_qwen2_vl import BUILD_VERSION as version
 
         return Path(root) / f"tiny-{arch.replace('_', '-')}-v{version}"
@@ -57,7 +57,7 @@ def builder(arch: str):
     """The function that writes `arch`'s tiny model into a folder."""
     if arch == "llava":
         return build_tiny_model
-    if arch in ("qwen2_vl", "qwen2_5_vl"):
+    if arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         from functools import partial
 
         from mmhandoff.models.tiny_qwen2_vl import build_tiny_qwen2_vl

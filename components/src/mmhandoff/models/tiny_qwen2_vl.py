@@ -1,5 +1,5 @@
-"""Tiny random-weight Qwen2-VL- and Qwen2.5-VL-layout models: M-RoPE positions from each image's
-grid.
+"""Tiny random-weight Qwen2-VL-, Qwen2.5-VL- and Qwen3-VL-layout models: M-RoPE positions from
+each image's grid.
 
 Beside the LLaVA one (mmhandoff.models.tiny), for the position-state channel of the handoff:
 a 2-block Qwen2-VL vision tower (patch 14, 2x2 merge), a 2-layer Qwen2 text model (hidden 128,
@@ -11,6 +11,8 @@ Byte-identical on every build (fixed seed, no version stamps).
 The Qwen2.5-VL variant (`build_tiny_qwen2_vl(out, variant="qwen2_5_vl")`) has the same text model,
 tokenizer and processor sizes, and Qwen2.5-VL's vision tower (RMSNorm and gated MLP blocks,
 window attention of 56 px with one full-attention block, as the 3B/7B models have every eighth).
+The Qwen3-VL variant ("qwen3_vl"): a Qwen3 text model (interleaved M-RoPE), 16 px patches with
+learned position embeddings, one deepstack level (`_build_tiny_qwen3_vl`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ CHAT_TEMPLATE = (
 )
 
 
-VARIANTS = ("qwen2_vl", "qwen2_5_vl")
+VARIANTS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN3_PATCH_SIZE = 16  # Qwen3-VL's patches
 
 
 def build_tiny_qwen2_vl(out: Path, variant: str = "qwen2_vl") -> None:
@@ -61,6 +64,8 @@ def build_tiny_qwen2_vl(out: Path, variant: str = "qwen2_vl") -> None:
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown Qwen-VL variant {variant!r}; known: {', '.join(VARIANTS)}")
+    if variant == "qwen3_vl":
+        return _build_tiny_qwen3_vl(Path(out))
     qwen25 = variant == "qwen2_5_vl"
 
     out = Path(out)
@@ -113,6 +118,63 @@ def build_tiny_qwen2_vl(out: Path, variant: str = "qwen2_vl") -> None:
     processor = (Qwen2_5_VLProcessor if qwen25 else Qwen2VLProcessor)(
         image_processor=Qwen2VLImageProcessor(**sizes),
         video_processor=Qwen2VLVideoProcessor(**sizes),
+        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    drop_volatile_fields(out, ("config.json", "tokenizer_config.json", "generation_config.json",
+                                "processor_config.json"))
+
+
+def _build_tiny_qwen3_vl(out: Path) -> None:
+    """Qwen3-VL's layout: a Qwen3 text model with interleaved M-RoPE, a vision tower of 16 px
+    patches with learned position embeddings, and one deepstack level (the tower's first
+    block's features added to the text model's first layer at the image's tokens)."""
+    import torch
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe(SPECIALS), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[1:],
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+            max_position_embeddings=4096, initializer_range=0.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                             "mrope_section": [8, 12, 12], "mrope_interleaved": True},
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+            patch_size=QWEN3_PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2,
+            num_position_embeddings=64, deepstack_visual_indexes=[0], initializer_range=0.5,
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    torch.manual_seed(SEED)
+    model = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval()
+    model.save_pretrained(out)
+
+    tokenizer.chat_template = CHAT_TEMPLATE
+    unit = (QWEN3_PATCH_SIZE * MERGE_SIZE) ** 2
+    sizes = dict(min_pixels=unit * 4, max_pixels=unit * 64, patch_size=QWEN3_PATCH_SIZE,
+                 merge_size=MERGE_SIZE, temporal_patch_size=2)
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**sizes),
+        video_processor=Qwen3VLVideoProcessor(**sizes),
         tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)

@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 def parser(role: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m mmhandoff.{role}")
     p.add_argument("--model", help="model folder, or a built-in tiny model: tiny-llava (the "
-                   "default), tiny-qwen2-vl or tiny-qwen2.5-vl (built if missing), or "
-                   "dummy:<shape> (a real architecture with random weights, for GPUs: "
-                   "dummy:llava-1.5-7b)")
+                   "default), tiny-qwen2-vl, tiny-qwen2.5-vl or tiny-qwen3-vl (built if "
+                   "missing), or dummy:<shape> (a real architecture with random weights, for "
+                   "GPUs: dummy:llava-1.5-7b)")
     p.add_argument("--namespace", default="mmhandoff")
     p.add_argument("--cpu-cores", help='CPU machines: cores for the engine, e.g. "0" or "0-1"')
     p.add_argument("--nixl-port", type=int, help="NIXL side-channel port of this engine")
@@ -88,7 +88,8 @@ def _ip(value: str) -> str:
 
 
 # Built-in tiny models by name (mmhandoff.models): a folder of that name, if any, comes first.
-TINY_MODELS = {"tiny-llava": "llava", "tiny-qwen2-vl": "qwen2_vl", "tiny-qwen2.5-vl": "qwen2_5_vl"}
+TINY_MODELS = {"tiny-llava": "llava", "tiny-qwen2-vl": "qwen2_vl", "tiny-qwen2.5-vl": "qwen2_5_vl",
+               "tiny-qwen3-vl": "qwen3_vl"}
 DUMMY_PREFIX = "dummy:"  # "dummy:llava-1.5-7b": a real shape, random weights (models/dummy.py)
 
 

@@ -14,8 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     make = sub.add_parser("make-tiny-model", help="build (or find) the tiny random-weight VLM")
     make.add_argument("dir", nargs="?", help="target folder (default: the cache folder)")
     make.add_argument("--arch", default="llava", choices=ARCHES,
-                      help="llava: LLaVA-1.5 layout (default); qwen2_vl, qwen2_5_vl: M-RoPE "
-                      "positions")
+                      help="llava: LLaVA-1.5 layout (default); qwen2_vl, qwen2_5_vl, qwen3_vl: "
+                      "M-RoPE positions")
     srv = sub.add_parser("serve", help="run a graph on this host: graphs.<graph>:<Component>")
     srv.add_argument("target", help="e.g. graphs.disagg:Frontend")
     srv.add_argument("-f", "--config", required=True, help="the graph's YAML, e.g. configs/disagg.yaml")

@@ -9,7 +9,8 @@ for decode to place the image tokens without the media:
 
 A model not in the table is served as a 1-D RoPE model taking images (and video, if its config
 names a video token); an M-RoPE model not in the table is refused by decode (it would need more
-of the media than travels). Adding a family: a row here, a tiny model of its layout in models/,
+of the media than travels). Video is not served media-free yet (issue 36): only images' grids
+travel. Adding a family: a row here, a tiny model of its layout in models/,
 and its parity tests (tests/test_qwen2_vl.py is the shape to follow)."""
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class Family:
 FAMILIES = (
     Family("LLaVA", ("llava",), media=("image",)),
     Family("Qwen2-VL", ("qwen2_vl", "qwen2_5_vl"), media=("image", "video"), positions="grids"),
+    # interleaved M-RoPE and deepstack: the positions still come from each image's grid alone
+    # (vLLM's `_iter_mm_grid_hw`), and deepstack's features are in prefill's KV
+    Family("Qwen3-VL", ("qwen3_vl",), media=("image", "video"), positions="grids"),
 )
 
 
