@@ -51,7 +51,6 @@ def build_tiny_qwen2_vl(out: Path, variant: str = "qwen2_vl") -> None:
     """Write config, weights, tokenizer and processor files into `out` (an existing folder)."""
     import torch
     from transformers import (
-        PreTrainedTokenizerFast,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2_5_VLProcessor,
@@ -69,11 +68,7 @@ def build_tiny_qwen2_vl(out: Path, variant: str = "qwen2_vl") -> None:
     qwen25 = variant == "qwen2_5_vl"
 
     out = Path(out)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_bpe(SPECIALS), eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIALS[1:],
-    )
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
+    tokenizer, ids = _tokenizer()
     head_dim = 64
     vision = dict(
         depth=2, embed_dim=64, hidden_size=128, mlp_ratio=2, num_heads=2,
@@ -108,21 +103,13 @@ def build_tiny_qwen2_vl(out: Path, variant: str = "qwen2_vl") -> None:
                    else Qwen2VLForConditionalGeneration)
     config.architectures = [model_class.__name__]
 
-    torch.manual_seed(SEED)
-    model = model_class(config).to(torch.bfloat16).eval()
-    model.save_pretrained(out)  # vLLM maps transformers 5's key layout itself for Qwen2-VL
-
-    tokenizer.chat_template = CHAT_TEMPLATE
     sizes = dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH_SIZE,
                  merge_size=MERGE_SIZE, temporal_patch_size=2)
-    processor = (Qwen2_5_VLProcessor if qwen25 else Qwen2VLProcessor)(
-        image_processor=Qwen2VLImageProcessor(**sizes),
-        video_processor=Qwen2VLVideoProcessor(**sizes),
-        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out)
-    drop_volatile_fields(out, ("config.json", "tokenizer_config.json", "generation_config.json",
-                                "processor_config.json"))
+    torch.manual_seed(SEED)  # the same weights on every build
+    # vLLM maps transformers 5's key layout itself for Qwen2-VL
+    _save(out, model_class(config), tokenizer,
+          (Qwen2_5_VLProcessor if qwen25 else Qwen2VLProcessor),
+          Qwen2VLImageProcessor(**sizes), Qwen2VLVideoProcessor(**sizes))
 
 
 def _build_tiny_qwen3_vl(out: Path) -> None:
@@ -131,7 +118,6 @@ def _build_tiny_qwen3_vl(out: Path) -> None:
     block's features added to the text model's first layer at the image's tokens)."""
     import torch
     from transformers import (
-        PreTrainedTokenizerFast,
         Qwen2VLImageProcessor,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
@@ -139,11 +125,7 @@ def _build_tiny_qwen3_vl(out: Path) -> None:
         Qwen3VLVideoProcessor,
     )
 
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_bpe(SPECIALS), eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIALS[1:],
-    )
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
+    tokenizer, ids = _tokenizer()
     config = Qwen3VLConfig(
         text_config=dict(
             vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -164,19 +146,33 @@ def _build_tiny_qwen3_vl(out: Path) -> None:
         tie_word_embeddings=False,
     )
     config.architectures = ["Qwen3VLForConditionalGeneration"]
-    torch.manual_seed(SEED)
-    model = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval()
-    model.save_pretrained(out)
-
-    tokenizer.chat_template = CHAT_TEMPLATE
     unit = (QWEN3_PATCH_SIZE * MERGE_SIZE) ** 2
     sizes = dict(min_pixels=unit * 4, max_pixels=unit * 64, patch_size=QWEN3_PATCH_SIZE,
                  merge_size=MERGE_SIZE, temporal_patch_size=2)
-    processor = Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**sizes),
-        video_processor=Qwen3VLVideoProcessor(**sizes),
-        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+    torch.manual_seed(SEED)
+    _save(out, Qwen3VLForConditionalGeneration(config), tokenizer,
+          Qwen3VLProcessor, Qwen2VLImageProcessor(**sizes), Qwen3VLVideoProcessor(**sizes))
+
+
+def _tokenizer():
+    """The byte-level BPE tokenizer with Qwen's special tokens, and their ids."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe(SPECIALS), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[1:],
     )
-    processor.save_pretrained(out)
+    return tokenizer, {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
+
+
+def _save(out: Path, model, tokenizer, processor_class, image_processor, video_processor):
+    """The model (bf16), tokenizer, chat template and processor into `out`, with the fields that
+    vary between builds dropped."""
+    import torch
+
+    model.to(torch.bfloat16).eval().save_pretrained(out)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    processor_class(image_processor=image_processor, video_processor=video_processor,
+                    tokenizer=tokenizer, chat_template=CHAT_TEMPLATE).save_pretrained(out)
     drop_volatile_fields(out, ("config.json", "tokenizer_config.json", "generation_config.json",
                                 "processor_config.json"))
