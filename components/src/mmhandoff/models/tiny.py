@@ -7,8 +7,9 @@ weights are random (fixed seed): outputs are gibberish but deterministic, which 
 tests need.
 
 `ensure_tiny_model()` builds once into a cache folder (atomically: a half-built folder is never
-used) and returns its path; `ensure_tiny_model(arch="qwen2_vl")` (or "qwen2_5_vl") does the same
-for the tiny Qwen2-VL- (Qwen2.5-VL-) layout model (mmhandoff.models.tiny_qwen2_vl).
+used) and returns its path; `ensure_tiny_model(arch="qwen2_vl")` ("qwen2_5_vl", "qwen3_vl") does
+the same for the tiny Qwen2-VL- (Qwen2.5-VL-, Qwen3-VL-) layout model
+(mmhandoff.models.tiny_qwen2_vl).
 """
 
 from __future__ import annotations
