@@ -48,9 +48,9 @@ async def agg_run(prefill, full_engine, request_id, messages, sampling):
     """The whole request on one engine, no KV transfer, straight through vLLM: the reference."""
     request = PrefillRequest(request_id=request_id, messages=messages, sampling=sampling)
     item = {"prompt": prefill.prompts.text(request)}
-    images = await prefill.prompts.images(request, decode=True)  # pixels, for vLLM itself
-    if images:
-        item["multi_modal_data"] = {"image": [i.image for i in images]}
+    media = await prefill.prompts.media(request, decode=True)  # pixels, for vLLM itself
+    for i in media:  # (a video: frames as vLLM's own loader sampled them)
+        item.setdefault("multi_modal_data", {}).setdefault(i.modality, []).append(i.data)
     final = None
     async for out in full_engine.llm.generate(item, sampling_params(sampling), f"{request_id}:agg"):
         final = out

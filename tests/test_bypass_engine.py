@@ -116,7 +116,7 @@ def test_an_image_sent_again_renders_without_its_pixels_as_its_decode_did(loop, 
     s = greedy(4, ignore_eos=True)
     _, _, first = loop.run(handoff_run(prefill, decode, "memo-1", messages, s))
     request = PrefillRequest(request_id="memo", messages=messages, sampling=s)
-    (bare,) = loop.run(prefill.prompts.images(request))
+    (bare,) = loop.run(prefill.prompts.media(request))
     assert bare.image is None and bare.content_hash == first.features.mm_hashes["image"][0]
     tokens, _, again = loop.run(handoff_run(prefill, decode, "memo-2", messages, s))
     assert (again.token_ids, again.features) == (first.token_ids, first.features)

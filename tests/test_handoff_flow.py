@@ -170,7 +170,7 @@ def test_a_prompt_that_fills_its_last_block_exactly(loop, workers, engines):
 
     async def length(text: str) -> int:
         request = PrefillRequest(request_id="len", messages=chat(text, uri))
-        images = await prefill.prompts.images(request)
+        images = await prefill.prompts.media(request)
         return len((await engines.prefill.render(prefill.prompts.text(request), images)).token_ids)
 
     # one more "?" is one more token (the tiny model's byte-level tokenizer)
@@ -197,7 +197,7 @@ def test_an_image_rendered_but_never_submitted_does_not_fail_the_next_request(
     messages = chat("Again?", data_uri(encode(make_image(180, 120, 81))))
     s = greedy(6, ignore_eos=True)
     request = PrefillRequest(request_id="drift-render", messages=messages, sampling=s)
-    images = loop.run(prefill.prompts.images(request))
+    images = loop.run(prefill.prompts.media(request))
     loop.run(engines.prefill.render(prefill.prompts.text(request), images))  # never submitted
     tokens, _, _ = loop.run(handoff_run(prefill, decode, "drift", messages, s))
     assert tokens == loop.run(agg_run(prefill, engines.full, "drift-agg", messages, s))

@@ -21,6 +21,7 @@ from mmhandoff.wire.handoff import (
     Features,
     FingerprintMismatch,
     Grid,
+    GridRules,
     Handoff,
     HandoffError,
     KVRequired,
@@ -96,7 +97,7 @@ def test_round_trip_is_lossless(h):
     assert decode_handoff(handoff_bytes(msgspec.to_builtins(h))) == h  # an older frontend's form
     message = msgspec.to_builtins(HandoffMessage(encode_handoff(h)))  # as the router gets it
     assert decode_handoff(handoff_bytes(message)) == h
-    check_admission(h, fingerprint=FP, grid_merge=None if h.features.mm_grids is None else 2)
+    check_admission(h, fingerprint=FP, grid_rules=None if h.features.mm_grids is None else GridRules(2))
 
 
 @settings(max_examples=150, deadline=None)
@@ -258,21 +259,83 @@ def test_position_state_admission():
     with_grid = lambda *g: _good(features=Features(  # noqa: E731
         mm_hashes={"image": ["abc"]}, mm_placeholders={"image": [Span(offset=2, length=4)]},
         mm_grids={"image": [Grid(t=g[0], h=g[1], w=g[2])]}))
-    check_admission(with_grid(1, 4, 4), fingerprint=FP, grid_merge=2)
-    check_admission(with_grid(1, 2, 8), fingerprint=FP, grid_merge=2)  # another shape, 4 tokens
+    check_admission(with_grid(1, 4, 4), fingerprint=FP, grid_rules=GridRules(2))
+    check_admission(with_grid(1, 2, 8), fingerprint=FP,
+                    grid_rules=GridRules(2))  # another shape, 4 tokens
     check_admission(_good(features=Features(mm_hashes={}, mm_placeholders={})), fingerprint=FP,
-                    grid_merge=2)  # text only: nothing to carry
+                    grid_rules=GridRules(2))  # text only: nothing to carry
     with pytest.raises(PositionStateMissing):
-        check_admission(_good(), fingerprint=FP, grid_merge=2)
+        check_admission(_good(), fingerprint=FP, grid_rules=GridRules(2))
     with pytest.raises(PositionStateUnexpected):
         check_admission(with_grid(1, 4, 4), fingerprint=FP)
     for grid in ((1, 4, 2), (1, 6, 4), (2, 4, 4), (1, 3, 4), (1, 4, 5)):
         with pytest.raises(PositionStateMismatch):
-            check_admission(with_grid(*grid), fingerprint=FP, grid_merge=2)
+            check_admission(with_grid(*grid), fingerprint=FP, grid_rules=GridRules(2))
     with pytest.raises(DigestMismatch):  # a grid changed after prefill signed it
         signed = sign(with_grid(1, 4, 4), KEY, ttl_s=60)
         check_admission(msgspec.structs.replace(signed, features=with_grid(1, 2, 8).features),
-                        fingerprint=FP, keys=[KEY], grid_merge=2)
+                        fingerprint=FP, keys=[KEY], grid_rules=GridRules(2))
+
+
+def _video(token_ids, span, grid):
+    return _good(token_ids=token_ids, features=Features(
+        mm_hashes={"video": ["vid"]}, mm_placeholders={"video": [span]},
+        mm_grids={"video": [grid]}))
+
+
+def test_video_position_state_admission():
+    """A video's grid: `t` steps of h*w/merge^2 tokens each, exactly its span's embedded tokens;
+    seconds per step required by a model that reads them (Qwen2.5-VL), refused by the others,
+    and finite and positive."""
+    ids = list(range(100, 116))
+    span = Span(offset=2, length=8)  # two steps of 4 tokens
+    qwen2, qwen25 = GridRules(2), GridRules(2, video_seconds=True)
+    check_admission(_video(ids, span, Grid(t=2, h=4, w=4)), fingerprint=FP, grid_rules=qwen2)
+    check_admission(_video(ids, span, Grid(t=2, h=4, w=4, seconds=1.0)), fingerprint=FP,
+                    grid_rules=qwen25)
+    bad = [(qwen2, Grid(t=3, h=4, w=4)), (qwen2, Grid(t=2, h=4, w=2)),  # 12, 4 tokens
+           (qwen2, Grid(t=2, h=4, w=4, seconds=1.0)),  # seconds a model never reads
+           (qwen25, Grid(t=2, h=4, w=4)),  # seconds missing
+           *((qwen25, Grid(t=2, h=4, w=4, seconds=x))
+             for x in (0.0, -1.0, float("nan"), float("inf"), 1e9))]
+    for rules, grid in bad:
+        with pytest.raises(PositionStateMismatch):
+            check_admission(_video(ids, span, grid), fingerprint=FP, grid_rules=rules)
+
+
+def test_video_frame_brackets_admission():
+    """Qwen3-VL lays a video out as one bracket per step, <start> tokens <end>, each after its
+    timestamp's text; vLLM searches the prompt for them, so decode admits only that layout."""
+    S, E, V = 7, 8, 9
+    rules = GridRules(2, frame_tokens=(S, E, V))
+    steps = [[50, 51], [S], [V] * 4, [E], [52, 53], [S], [V] * 4, [E]]
+    body = [t for part in steps for t in part]
+    embed = [t == V for t in body]
+    ids = [1, S, *body, E, 2, 3]
+    span = Span(offset=2, length=len(body), is_embed=embed)
+    grid = Grid(t=2, h=4, w=4)
+    check_admission(_video(ids, span, grid), fingerprint=FP, grid_rules=rules)
+    wrong = {
+        "one bracket short": (ids, span, Grid(t=3, h=4, w=4), rules),
+        "an end missing": (ids[:9] + [60] + ids[10:], span, grid, rules),
+        "a video token in the text": (ids[:2] + [V] + ids[3:], span, grid, rules),
+        "the marks off the video tokens": (
+            ids, Span(offset=2, length=len(body), is_embed=[not e for e in embed]), grid, rules),
+    }
+    for name, (token_ids, s, g, r) in wrong.items():
+        with pytest.raises(PositionStateMismatch):
+            check_admission(_video(token_ids, s, g), fingerprint=FP, grid_rules=r)
+            pytest.fail(name)
+
+
+def test_an_older_handoff_carries_no_seconds():
+    from mmhandoff.wire.handoff import MalformedHandoff, check_structure
+
+    h = _video(list(range(100, 116)), Span(offset=2, length=8),
+               Grid(t=2, h=4, w=4, seconds=1.0))
+    check_structure(h)
+    with pytest.raises(MalformedHandoff):
+        check_structure(msgspec.structs.replace(h, v=7))
 
 
 KEY, OLD_KEY = b"k" * 32, b"o" * 32

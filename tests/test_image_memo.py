@@ -27,7 +27,7 @@ def _request(*uris: str) -> PrefillRequest:
 
 def _render(builder: PromptBuilder, request: PrefillRequest):
     async def run():
-        images = await builder.images(request)
+        images = await builder.media(request)
         return images, await builder.render(request, images)
     return asyncio.run(run())
 
@@ -61,7 +61,7 @@ def test_an_image_the_engine_no_longer_holds_is_decoded_and_rendered_again():
     request = _request(data_uri(encode(make_image(64, 48, 7))))
     _, rendered = _render(builder, request)
     engine.processed.clear()  # evicted from the engine's cache of processed images
-    bare = asyncio.run(builder.images(request))
+    bare = asyncio.run(builder.media(request))
     with pytest.raises(PixelsNeeded):  # the engine's own refusal, which render handles
         asyncio.run(engine.render(builder.text(request), bare))
     assert asyncio.run(builder.render(request, bare)).token_ids == rendered.token_ids
@@ -80,7 +80,7 @@ def test_the_memo_is_bounded_and_a_bad_image_is_not_remembered(monkeypatch):
     bad = "data:image/png;base64," + "A" * 64
     for _ in range(2):  # refused each time: never remembered as good
         with pytest.raises(ImageError):
-            asyncio.run(builder.images(_request(bad)))
+            asyncio.run(builder.media(_request(bad)))
 
 
 def test_a_local_file_is_decoded_each_time(tmp_path):

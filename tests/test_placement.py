@@ -206,7 +206,7 @@ def test_what_prefill_publishes_reaches_a_routers_table_through_the_feed(loop):
     async def scenario():
         answer = await worker.prefill(request)
         rendered = await engine.render(worker.prompts.text(request),
-                                       await worker.prompts.images(request))
+                                       await worker.prompts.media(request))
         table = PrefixTable()
         follower = Follower(_FeedClient(feed), Tier("prefill"), engine.block_size,
                             on_prefixes=table.update)

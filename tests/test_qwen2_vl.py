@@ -21,7 +21,16 @@ from mmhandoff.wire.handoff import (
     decode_handoff,
 )
 from mmhandoff.wire.messages import PrefillRequest
-from tests.conftest import chat, data_uri, encode, free_port, make_image, start
+from tests.conftest import (
+    chat,
+    data_uri,
+    encode,
+    free_port,
+    make_image,
+    make_video,
+    start,
+    video_chat,
+)
 from tests.flows import agg_run, full_media_run, greedy, handoff_run
 
 pytestmark = pytest.mark.engine
@@ -160,7 +169,7 @@ def test_decodes_grid_field_is_the_models_own(loop, qwen):
     def render(blobs):
         request = PrefillRequest(request_id="q-field", messages=_messages(blobs),
                                  sampling=greedy(1))
-        images = loop.run(prefill.prompts.images(request))
+        images = loop.run(prefill.prompts.media(request))
         return loop.run(prefill.engine.render(prefill.prompts.text(request), images))
 
     text_only = render([])
@@ -314,3 +323,36 @@ def test_a_follow_up_bypass_takes_its_positions_from_the_grids(loop, qwen):
     tokens, last = loop.run(collect(decode.generate(handoff)))
     assert tokens == loop.run(agg_run(prefill, full_engine, "q-bp-agg", follow_up, s))
     assert last.stats.kv_tokens_pulled == 0 and last.stats.kv_tokens_local > 0
+
+
+# ---- video --------------------------------------------------------------------------------------
+VIDEO_CASES = {  # (kind, (width, height, frames, fps, seed) | (width, height, seed))
+    "video": [("video", (64, 48, 8, 4.0, 31))],
+    "image-then-video": [("image", (320, 240, 32)), ("video", (96, 64, 12, 6.0, 33))],
+}
+
+
+def _media(case):
+    return [(kind, make_video(*spec) if kind == "video" else encode(make_image(*spec)))
+            for kind, spec in VIDEO_CASES[case]]
+
+
+@pytest.mark.parametrize("case", list(VIDEO_CASES))
+def test_video_parity_handoff_agg(loop, qwen, qwen_model, case):
+    """A video's frames as vLLM's loader samples them for the model, rendered by prefill; decode
+    gets its grid (and Qwen2.5-VL's seconds per step) and answers as the aggregated engine."""
+    prefill, decode, _, full_engine, *_ = qwen
+    parts = _media(case)
+    messages = video_chat("What happens?", *parts)
+    s = greedy(24, ignore_eos=True)
+    tokens, last, handoff = loop.run(handoff_run(prefill, decode, f"qv-{case}", messages, s))
+    agg = loop.run(agg_run(prefill, full_engine, f"qv-{case}", messages, s))
+    assert len(agg) == 24 and tokens == agg
+    assert last.stats.kv_tokens_pulled > 0
+    ((grid,), (span,)) = (handoff.features.mm_grids["video"],
+                          handoff.features.mm_placeholders["video"])
+    embedded = span.length if span.is_embed is None else sum(span.is_embed)
+    assert grid.t >= 2 and grid.t * grid.h * grid.w // MERGE ** 2 == embedded
+    assert (grid.seconds is not None) == ("qwen2-5-vl" in Path(qwen_model).name)
+    videos = [blob for kind, blob in parts if kind == "video"]
+    assert last.stats.request_bytes < 4096 < sum(map(len, videos))  # metadata, never the video

@@ -30,8 +30,8 @@ class AggWorker:
 
     async def generate(self, request: PrefillRequest) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
-        images = await self.prompts.images(request)
-        rendered = await self.prompts.render(request, images)
+        media = await self.prompts.media(request)
+        rendered = await self.prompts.render(request, media)
         if request.continuation:
             rendered = self.engine.extend(rendered, request.continuation)
         prepare_ms = (time.perf_counter() - t0) * 1e3

@@ -50,9 +50,9 @@ class DecodeWorker:
         """`keys`: take only handoffs signed with one of them (several during a rotation).
         `claim`: claims a handoff that names where (`Handoff.claim`) before its KV is pulled
         (decode.claims.ClaimClient); without it such a handoff is refused."""
-        if engine.capabilities.mrope and engine.capabilities.grid_merge is None:
+        if engine.capabilities.mrope and engine.capabilities.grid_rules is None:
             raise UnsupportedModel("this M-RoPE model's positions need more of the media than "
-                                   "each image's grid, which is all a handoff carries "
+                                   "each item's grid, which is all a handoff carries "
                                    "(Qwen2-VL, Qwen2.5-VL and Qwen3-VL are served)")
         if engine.capabilities.encoder_decoder:
             raise UnsupportedModel("encoder-decoder models need the encoder output on decode")
@@ -68,7 +68,7 @@ class DecodeWorker:
         wire = encode_handoff(message) if isinstance(message, Handoff) else bytes(message)
         handoff = decode_handoff(wire)  # a Handoff object gets the same checks as bytes
         check_admission(handoff, fingerprint=self.engine.fingerprint, keys=self.keys,
-                        grid_merge=self.engine.capabilities.grid_merge)
+                        grid_rules=self.engine.capabilities.grid_rules)
         self.replays.admit(handoff)  # last: a refused message does not use up its nonce
         return handoff, len(wire)
 

@@ -8,7 +8,7 @@ number of concurrent requests, then `shutdown()`. While it serves, `dead_cause()
 serve no more (None while it can). One request:
 
     prompt = engine.chat_prompt(conversation)            # the model's chat template, as text
-    rendered = await engine.render(prompt, images)       # token ids; one hash + span per image
+    rendered = await engine.render(prompt, media)        # token ids; one hash + span per item
     engine.discard(rendered)                             # (or: a render never submitted)
     request = engine.request(rendered, sampling)         # or: await engine.kv_only(handoff, id)
     async for step in engine.generate(request, id): ...  # typed steps, the last one finished
@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 from mmhandoff.media.images import LoadedImage
-from mmhandoff.wire.handoff import Features, Handoff, Sampling
+from mmhandoff.media.videos import LoadedVideo
+from mmhandoff.wire.handoff import Features, GridRules, Handoff, Sampling
 from mmhandoff.wire.messages import PromptLogprobs, TokenLogprob
 
 
@@ -34,8 +35,8 @@ RELEASE_ON_STOP_KEY = "mmhandoff_release_on_stop"
 
 
 class PixelsNeeded(Exception):
-    """`render` was given an image without pixels (`LoadedImage.image` None) that the engine's
-    cache of processed images does not hold: decode it and render again."""
+    """`render` was given an item without its data (`LoadedImage.image` or `LoadedVideo.video`
+    None) that the engine's cache of processed items does not hold: decode it, render again."""
 
 
 class EngineInputError(ValueError):
@@ -51,9 +52,9 @@ class Capabilities:
     """What a KV-only decode depends on."""
 
     mrope: bool = False  # positions are M-RoPE's (Qwen-VL)
-    # M-RoPE from each image's grid alone (Qwen2-VL, Qwen2.5-VL): the handoff carries the grids;
-    # the rows (and columns) of patches merged into one token. None: no such position state.
-    grid_merge: int | None = None
+    # M-RoPE from each item's grid alone (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the handoff carries
+    # the grids, and decode admits them by these rules. None: no such position state.
+    grid_rules: GridRules | None = None
     encoder_decoder: bool = False  # decode would need the encoder's output
     vision: bool = True  # the engine built its vision tower (a KV-only decode engine has none)
 
@@ -63,7 +64,7 @@ class Rendered:
     """A prompt as the engine will run it."""
 
     token_ids: list[int]
-    features: Features  # one content hash and one placeholder span per image
+    features: Features  # one content hash and one placeholder span per image or video
     engine_input: Any  # the implementation's own form, handed back to `request`
     # images this render recorded as sent to the engine (vLLM: its processor cache's mirror):
     # `discard` forgets them when the prompt is never submitted
@@ -100,10 +101,15 @@ class Engine(Protocol):
         """The chat template applied to messages whose image parts are `{"type": "image"}`."""
         ...
 
-    async def render(self, prompt: str, images: Sequence[LoadedImage]) -> Rendered:
-        """Tokenize `prompt` and expand its image placeholders; each image's identity is its
-        content hash. An image without pixels is taken from the engine's cache of processed
-        images; PixelsNeeded if it is not there."""
+    async def render(self, prompt: str, media: Sequence[LoadedImage | LoadedVideo]) -> Rendered:
+        """Tokenize `prompt` and expand its image and video placeholders (`media` in prompt
+        order); each item's identity is its content hash. An item without its data is taken
+        from the engine's cache of processed items; PixelsNeeded if it is not there."""
+        ...
+
+    def load_video(self, data_uri: str) -> tuple[Any, dict[str, Any]]:
+        """A video's frames sampled as the engine's own server samples them for its model, and
+        their metadata; a ValueError for data it cannot read."""
         ...
 
     def request(self, rendered: Rendered, sampling: Sampling, *, max_tokens: int | None = None,

@@ -102,11 +102,17 @@ class FakeEngine:
         for m in conversation:
             content = m["content"]
             if not isinstance(content, str):
-                content = " ".join(IMAGE if p["type"] == "image" else p["text"] for p in content)
+                content = " ".join(IMAGE if p["type"] == "image" else p.get("text", "")
+                                   for p in content)
             out.append(f"<|{m['role']}|> {content}")
         return " ".join(out) + " <|assistant|>"
 
+    def load_video(self, data_uri: str):
+        raise EngineInputError("the fake engine takes no video")
+
     async def render(self, prompt: str, images: Sequence[LoadedImage]) -> Rendered:
+        if any(i.modality != "image" for i in images):
+            raise EngineInputError("the fake engine takes no video")
         pieces = prompt.split(IMAGE)
         if len(pieces) - 1 != len(images):
             raise EngineInputError(f"{len(pieces) - 1} image placeholders, {len(images)} images")

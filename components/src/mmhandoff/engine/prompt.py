@@ -1,6 +1,7 @@
 """From a PrefillRequest to what an engine renders: the prompt text (the model's chat template
-over the typed messages) and the decoded images. Shared by prefill and agg, so both render a
-request exactly alike (the parity of the two graphs depends on it).
+over the typed messages) and the decoded images and videos (a video's frames sampled by the
+engine, as its own server samples them). Shared by prefill and agg, so both render a request
+exactly alike (the parity of the two graphs depends on it).
 
 An image sent again as the same data URI (a follow-up turn, another question about it) is not
 decoded again: a memo maps each data URI's blake3 to the content hash and size its decode gave,
@@ -8,7 +9,7 @@ and the image goes to the engine without pixels, which vLLM's cache of processed
 supplies (a 12 MP JPEG: ~190 ms of decoding and pixel hashing become ~1.5 ms of blake3). If the
 engine no longer holds it (PixelsNeeded), the images are decoded and rendered again. The same
 bytes always decode to the same pixels, so the content hash, and every block hash after it, are
-the decode's."""
+the decode's. Videos go the same way."""
 
 from __future__ import annotations
 
@@ -21,8 +22,14 @@ import msgspec
 from blake3 import blake3
 
 from mmhandoff.engine import Engine, PixelsNeeded, Rendered
-from mmhandoff.media.images import ImageLimits, LoadedImage, load_image_ref
-from mmhandoff.wire.messages import ChatMessage, ImagePart, PrefillRequest
+from mmhandoff.media.images import (
+    ImageLimits,
+    LoadedImage,
+    data_uri_bytes,
+    load_image_ref,
+)
+from mmhandoff.media.videos import InvalidVideo, LoadedVideo, VideoLimits, content_hash
+from mmhandoff.wire.messages import ChatMessage, ImagePart, PrefillRequest, VideoPart, media_url
 
 
 class InvalidRequest(ValueError):
@@ -31,19 +38,31 @@ class InvalidRequest(ValueError):
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages in the form chat templates take: image parts become `{"type": "image"}`."""
+    """The messages in the form chat templates take: image parts become `{"type": "image"}`,
+    video parts `{"type": "video"}`."""
+    def part(p) -> dict[str, Any]:
+        if isinstance(p, ImagePart):
+            return {"type": "image"}
+        if isinstance(p, VideoPart):
+            return {"type": "video"}
+        return {"type": "text", "text": p.text}
+
     return [{"role": m.role, "content": m.content if isinstance(m.content, str) else [
-        {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
-        for p in m.content]} for m in messages]
+        part(p) for p in m.content]} for m in messages]
+
+
+Media = LoadedImage | LoadedVideo
 
 
 DECODED_MEMO = 4096  # data URIs whose decode the memo remembers (~150 bytes each)
 
 
 class PromptBuilder:
-    def __init__(self, engine: Engine, limits: ImageLimits = ImageLimits()) -> None:
+    def __init__(self, engine: Engine, limits: ImageLimits = ImageLimits(),
+                 video_limits: VideoLimits = VideoLimits()) -> None:
         self.engine = engine
         self.limits = limits
+        self.video_limits = video_limits
         # blake3 of a data URI -> (content hash, byte size) of its decode, least recent first
         self._decoded: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._lock = threading.Lock()  # images are loaded in worker threads
@@ -53,46 +72,67 @@ class PromptBuilder:
             return request.prompt
         return self.engine.chat_prompt(conversation(request.messages))
 
-    async def images(self, request: PrefillRequest, *, decode: bool = False) -> list[LoadedImage]:
-        """The request's images, off the event loop and each in its own worker thread (decoding
-        and hashing release the GIL: a request's images are prepared side by side, as are
-        concurrent requests'); one whose data URI was decoded before comes without pixels,
-        unless `decode`."""
-        return list(await asyncio.gather(*(asyncio.to_thread(self._load, ref, decode)
-                                           for ref in request.image_urls())))
+    async def media(self, request: PrefillRequest, *, decode: bool = False) -> list[Media]:
+        """The request's images and videos in prompt order, off the event loop and each in its
+        own worker thread (decoding and hashing release the GIL: a request's items are prepared
+        side by side, as are concurrent requests'); one whose data URI was decoded before comes
+        without its data, unless `decode`."""
+        return list(await asyncio.gather(*(
+            asyncio.to_thread(self._load, media_url(part), isinstance(part, VideoPart), decode)
+            for part in request.media())))
 
-    async def render(self, request: PrefillRequest, images: list[LoadedImage]) -> Rendered:
-        """The engine's render of the request's prompt with `images` (from `images`)."""
+    async def render(self, request: PrefillRequest, media: list[Media]) -> Rendered:
+        """The engine's render of the request's prompt with `media` (from `media`)."""
         try:
-            return await self.engine.render(self.text(request), images)
-        except PixelsNeeded:  # the engine no longer holds an image sent without pixels
+            return await self.engine.render(self.text(request), media)
+        except PixelsNeeded:  # the engine no longer holds an item sent without its data
             return await self.engine.render(self.text(request),
-                                            await self.images(request, decode=True))
+                                            await self.media(request, decode=True))
 
-    def _load(self, ref: str, decode: bool) -> LoadedImage:
+    def _load(self, ref: str, video: bool, decode: bool) -> Media:
         key = blake3(ref.encode()).hexdigest() if ref.startswith("data:") else None
         with self._lock:
             known = self._decoded.get(key) if key is not None and not decode else None
             if known is not None:
                 self._decoded.move_to_end(key)
         if known is not None:
-            return LoadedImage(None, *known)
-        image = load_image_ref(ref, self.limits)
+            return (LoadedVideo if video else LoadedImage)(None, *known)
+        item = self._load_video(ref) if video else load_image_ref(ref, self.limits)
         if key is not None:  # (a file's contents may change: not remembered)
             with self._lock:
-                self._decoded[key] = (image.content_hash, image.source_bytes)
+                self._decoded[key] = (item.content_hash, item.source_bytes)
                 if len(self._decoded) > DECODED_MEMO:
                     self._decoded.popitem(last=False)
-        return image
+        return item
+
+    def _load_video(self, ref: str) -> LoadedVideo:
+        """A video (a data URI; in-process callers: a local file) as the engine samples it."""
+        if ref.startswith("data:"):
+            size = len(data_uri_bytes(ref, ImageLimits(max_bytes=self.video_limits.max_bytes)))
+        else:  # a local file, for in-process callers: sent on as a data URI
+            import base64
+            from pathlib import Path
+
+            path = Path(ref[len("file://"):] if ref.startswith("file://") else ref)
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                raise InvalidVideo(f"cannot read video file {str(path)!r}: {e.strerror}") from None
+            size, ref = len(data), f"data:video/mp4;base64,{base64.b64encode(data).decode()}"
+        try:
+            frames, metadata = self.engine.load_video(ref)
+        except ValueError as e:
+            raise InvalidVideo(f"data is not a readable video: {e}") from None
+        return LoadedVideo((frames, metadata), content_hash(frames, metadata), size)
 
     @staticmethod
     def from_wire(request: Any) -> PrefillRequest:
         """A PrefillRequest off the network. A network caller does not get to name files on this
-        host, so images must be data URIs."""
+        host, so images and videos must be data URIs."""
         try:
             typed = msgspec.convert(request, PrefillRequest, strict=True)
         except msgspec.ValidationError as e:
             raise InvalidRequest(f"invalid request: {e}") from None
-        if any(not url.startswith("data:") for url in typed.image_urls()):
-            raise InvalidRequest("images must be data URIs")
+        if any(not media_url(p).startswith("data:") for p in typed.media()):
+            raise InvalidRequest("images and videos must be data URIs")
         return typed

@@ -46,6 +46,11 @@ class LoadedImage:
     image: Image.Image | None
     content_hash: str
     source_bytes: int
+    modality = "image"
+
+    @property
+    def data(self) -> Image.Image | None:
+        return self.image
 
 
 def content_hash(image: Image.Image) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 from mmhandoff.models.build import SEED, VOCAB_SIZE, drop_volatile_fields, train_bpe
 
 # Bump when anything below changes: the cache folder is keyed by it.
-BUILD_VERSION = "1"
+BUILD_VERSION = "2"  # 2: the chat template places videos
 PATCH_SIZE = 14
 MERGE_SIZE = 2
 MIN_PIXELS = (PATCH_SIZE * MERGE_SIZE) ** 2 * 4  # at least 4 image tokens
@@ -31,12 +31,14 @@ MAX_PIXELS = (PATCH_SIZE * MERGE_SIZE) ** 2 * 64  # at most 64
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|image_pad|>", "<|video_pad|>"]
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"  # Qwen's own, per video
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' or part['type'] == 'image_url' %}" + IMAGE_PLACEHOLDER +
+    "{% elif part['type'] == 'video' or part['type'] == 'video_url' %}" + VIDEO_PLACEHOLDER +
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

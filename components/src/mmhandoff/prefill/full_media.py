@@ -33,7 +33,9 @@ class FullMediaPrefillWorker(PrefillWorker):
     async def _bypass(self, request: PrefillRequest, rendered: Rendered) -> None:
         return None  # its decode has no handoff to take without prefill
 
-    async def _render(self, request: PrefillRequest, images) -> Rendered:
+    async def _render(self, request: PrefillRequest, media) -> Rendered:
         if request.continuation:  # its decode renders the prompt text again: it would be lost
             raise PrefillError("the full-media arm does not continue an answer")
-        return await super()._render(request, images)
+        if len(request.media()) != len(request.image_urls()):
+            raise PrefillError("the full-media arm sends decode images only, not videos")
+        return await super()._render(request, media)

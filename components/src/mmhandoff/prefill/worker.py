@@ -121,17 +121,17 @@ class PrefillWorker:
         """The answer's first token (unless `request.first_token` is False), the handoff for
         decode (none when that token ended the answer) and the statistics."""
         t0 = time.perf_counter()
-        images = await self.prompts.images(request)
+        media = await self.prompts.media(request)
         first_token = request.first_token and self.first_token_here
         one_token = first_token and request.sampling.max_tokens == 1
         kv_params = None if one_token else {"do_remote_decode": True,
                                             RELEASE_ON_STOP_KEY: first_token}
-        rendered = await self._render(request, images)
+        rendered = await self._render(request, media)
         bypass = await self._bypass(request, rendered)
         if bypass is not None:
             self.engine.discard(rendered)  # the engine never gets it
             return PrefillAnswer(handoff=bypass, stats=PrefillStats(
-                images=len(images), image_bytes=sum(i.source_bytes for i in images),
+                images=len(media), image_bytes=sum(i.source_bytes for i in media),
                 prompt_tokens=len(rendered.token_ids),
                 prepare_ms=(time.perf_counter() - t0) * 1e3, prefill_ms=0.0, bypassed=True))
         # the handoff's block hashes, beside the engine's prefill (routers look them up)
@@ -139,7 +139,7 @@ class PrefillWorker:
                                                              rendered)
         for attempt in (1, 2):
             if attempt == 2:
-                rendered = await self._render(request, images)
+                rendered = await self._render(request, media)
             t1 = time.perf_counter()
             final, token_ids, text, logprobs, prompt_lps = await self._sample(
                 request, rendered, kv_params)
@@ -161,7 +161,7 @@ class PrefillWorker:
                                                  request, rendered, hashes)
         ended = first_token and (one_token or final.finish_reason == "stop")
         stats = PrefillStats(
-            images=len(images), image_bytes=sum(i.source_bytes for i in images),
+            images=len(media), image_bytes=sum(i.source_bytes for i in media),
             prompt_tokens=len(rendered.token_ids), prepare_ms=(t1 - t0) * 1e3,
             prefill_ms=(time.perf_counter() - t1) * 1e3, cached_tokens=final.cached_tokens)
         first = (FirstToken(token_id=token_ids[0], text=text,
@@ -243,8 +243,8 @@ class PrefillWorker:
         if prefixes:
             publish(prefixes)
 
-    async def _render(self, request: PrefillRequest, images) -> Rendered:
-        rendered = await self.prompts.render(request, images)
+    async def _render(self, request: PrefillRequest, media) -> Rendered:
+        rendered = await self.prompts.render(request, media)
         if request.continuation:
             rendered = self.engine.extend(rendered, request.continuation)
         return rendered

@@ -1,12 +1,12 @@
 """Engine inputs and outputs on both sides of the handoff.
 
-Prefill: render a prompt with images through the engine's own renderer (so token ids, placeholder
-ranges and identifiers are exactly what the engine uses), with each image's identifier set to its
-content hash.
+Prefill: render a prompt with images and videos through the engine's own renderer (so token ids,
+placeholder ranges and identifiers are exactly what the engine uses), with each item's identifier
+set to its content hash.
 
 Decode: a metadata-only request. vLLM's input processor builds and validates the token-only
 request (sampling defaults, eos, vocabulary range); the image features are then attached with no
-data (for an M-RoPE model: with the image's grid alone, from which vLLM computes positions).
+data (for an M-RoPE model: with the item's grid alone, from which vLLM computes positions).
 This path skips the processor's encoder-capacity check on purpose: the decode engine has no
 encoder, and a KV-only item never reaches one (the fail-closed scheduler guarantees it).
 """
@@ -40,11 +40,14 @@ class RenderedPrompt:
     features: Features
 
 
-async def render_prompt(engine, prompt: str, images: list, identifiers: list[str]) -> RenderedPrompt:
+async def render_prompt(engine, prompt: str,
+                        media: dict[str, tuple[list, list[str]]]) -> RenderedPrompt:
+    """`media`: per modality, each item's data (None: sent by hash alone) and identifier."""
     item: dict[str, Any] = {"prompt": prompt}
-    if images:
-        item["multi_modal_data"] = {"image": images}
-        item["multi_modal_uuids"] = {"image": identifiers}
+    media = {m: v for m, v in media.items() if v[0]}
+    if media:
+        item["multi_modal_data"] = {m: list(data) for m, (data, _) in media.items()}
+        item["multi_modal_uuids"] = {m: list(ids) for m, (_, ids) in media.items()}
     (engine_input,) = await engine.renderer.render_cmpl_async([item])
     token_ids = list(engine_input["prompt_token_ids"])
     hashes = {m: list(v) for m, v in (engine_input.get("mm_hashes") or {}).items()}
@@ -117,7 +120,7 @@ def sampling_params(s: Sampling, *, max_tokens: int | None = None,
 
 
 def kv_only_request(engine, h: Handoff, request_id: str, supported_tasks: tuple):
-    """The decode engine's request for `h`: token ids plus data-less image features.
+    """The decode engine's request for `h`: token ids plus data-less image and video features.
     `supported_tasks` is `await engine.get_supported_tasks()` (asked once: it is an engine RPC).
 
     With prefill's first token (v2), the prompt is the handoff's followed by that token, and the
@@ -138,7 +141,7 @@ def kv_only_request(engine, h: Handoff, request_id: str, supported_tasks: tuple)
         request_id, prompt, params, supported_tasks=supported_tasks)
     request.mm_features = [
         MultiModalFeatureSpec(
-            data=None if grid is None else grid_feature_data(grid), modality=modality,
+            data=None if grid is None else grid_feature_data(modality, grid), modality=modality,
             identifier=digest, mm_hash=digest,
             mm_position=PlaceholderRange(offset=span.offset, length=span.length,
                                          is_embed=_mask(span.is_embed)),

@@ -9,6 +9,7 @@ import msgspec
 
 from mmhandoff.engine import Capabilities, EngineInputError, PixelsNeeded, Rendered, Step
 from mmhandoff.media.images import LoadedImage
+from mmhandoff.media.videos import LoadedVideo
 from mmhandoff.vllm_adapter.inputs import (
     forget_sent,
     kv_coverage_cause,
@@ -21,7 +22,8 @@ from mmhandoff.vllm_adapter.inputs import (
     sampling_params,
 )
 from mmhandoff.vllm_adapter.logprobs import prompt_logprobs, token_logprobs
-from mmhandoff.vllm_adapter.positions import GridMemo, grid_merge, rendered_grids
+from mmhandoff.vllm_adapter.positions import GridMemo, grid_rules, rendered_grids
+from mmhandoff.vllm_adapter.video import load_video
 from mmhandoff.wire.handoff import Handoff, KVMismatch, Sampling
 
 
@@ -67,9 +69,9 @@ class VllmEngine:
         self.capabilities = Capabilities(
             mrope=bool(mc.uses_mrope), encoder_decoder=bool(mc.is_encoder_decoder),
             vision=mm is not None and mm.get_limit_per_prompt("image") > 0,
-            grid_merge=grid_merge(mc))
-        # prefill of an M-RoPE model: each rendered image's grid, for the handoff
-        self._grids = GridMemo() if self.capabilities.grid_merge and self.capabilities.vision \
+            grid_rules=grid_rules(mc))
+        # prefill of an M-RoPE model: each rendered item's grid, for the handoff
+        self._grids = GridMemo() if self.capabilities.grid_rules and self.capabilities.vision \
             else None
         self.fingerprint = model_fingerprint(llm)
         self._tokenizer = llm.renderer.get_tokenizer()
@@ -83,36 +85,50 @@ class VllmEngine:
         return self._tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=True)
 
-    async def render(self, prompt: str, images: Sequence[LoadedImage]) -> Rendered:
-        identifiers = [i.content_hash for i in images]
-        bare = {i.content_hash for i in images if i.image is None}
+    async def render(self, prompt: str, media: Sequence[LoadedImage | LoadedVideo]) -> Rendered:
+        identifiers = [i.content_hash for i in media]
+        bare = {i.content_hash for i in media if i.data is None}
         if bare - processed(self.llm, list(bare)):
-            raise PixelsNeeded(f"{len(bare)} image(s) no longer processed in the engine's cache")
+            raise PixelsNeeded(f"{len(bare)} item(s) no longer processed in the engine's cache")
         fresh = not_yet_sent(self.llm, identifiers)
-        pixels = [i.image for i in images]
+        by_modality: dict[str, tuple[list, list[str]]] = {}
+        for item in media:
+            data, ids = by_modality.setdefault(item.modality, ([], []))
+            data.append(item.data)
+            ids.append(item.content_hash)
         try:
-            r = await render_prompt(self.llm, prompt, pixels, identifiers)
+            r = await render_prompt(self.llm, prompt, by_modality)
             if self._grids is not None:
-                grids = self._grids.resolve(identifiers, rendered_grids(r.engine_input))
-                if None in grids:  # sent by hash alone and no longer in the memo: render anew
-                    again = tuple(d for d, g in zip(identifiers, grids) if g is None)
-                    if bare & set(again):
-                        raise PixelsNeeded("an image's grid is no longer in the memo")
+                grids = self._resolve_grids(by_modality, r)
+                missing = {d for m, g in grids.items() for d, x in zip(by_modality[m][1], g)
+                           if x is None}
+                if missing:  # sent by hash alone and no longer in the memo: render anew
+                    if bare & missing:
+                        raise PixelsNeeded("an item's grid is no longer in the memo")
+                    again = tuple(d for d in identifiers if d in missing)
                     forget_sent(self.llm, again)
                     fresh = tuple(dict.fromkeys((*fresh, *again)))  # sent with data once more
-                    r = await render_prompt(self.llm, prompt, pixels, identifiers)
-                    grids = self._grids.resolve(identifiers, rendered_grids(r.engine_input))
-                if None in grids:
-                    raise RuntimeError("vLLM rendered an image without its grid")
-                r.features.mm_grids = {"image": grids} if grids else {}
+                    r = await render_prompt(self.llm, prompt, by_modality)
+                    grids = self._resolve_grids(by_modality, r)
+                if any(None in g for g in grids.values()):
+                    raise RuntimeError("vLLM rendered an item without its grid")
+                r.features.mm_grids = grids
         except Exception as e:
-            if bare:  # evicted since the check above, or a vLLM that cannot: pixels decide
+            if bare:  # evicted since the check above, or a vLLM that cannot: data decides
                 forget_sent(self.llm, fresh)  # the retry sends these with their data again
-                raise PixelsNeeded(f"a render without pixels failed: {e!r}") from e
+                raise PixelsNeeded(f"a render without data failed: {e!r}") from e
             if isinstance(e, self._refused):
                 raise EngineInputError(str(e)) from None
             raise
         return Rendered(r.token_ids, r.features, r.engine_input, first_sent=fresh)
+
+    def _resolve_grids(self, by_modality, r) -> dict[str, list]:
+        rendered = rendered_grids(r.engine_input)
+        return {m: self._grids.resolve(ids, rendered.get(m) or [None] * len(ids))
+                for m, (_, ids) in by_modality.items()}
+
+    def load_video(self, data_uri: str):
+        return load_video(self.llm, data_uri)
 
     def block_hashes(self, rendered: Rendered, cache_salt: str | None, upto: int) -> list:
         if self._hasher is None:
@@ -121,9 +137,9 @@ class VllmEngine:
             self._hasher = BlockHasher(
                 self.block_size, seed=self._block_hash_seed,
                 hash_algo=self.llm.vllm_config.cache_config.prefix_caching_hash_algo)
-        images = [(digest, span.offset, span.length)
-                  for _modality, digest, span in rendered.features.items() if span.offset < upto]
-        return self._hasher.hashes(rendered.token_ids[:upto], images, cache_salt=cache_salt)
+        items = [(digest, span.offset, span.length)
+                 for _modality, digest, span in rendered.features.items() if span.offset < upto]
+        return self._hasher.hashes(rendered.token_ids[:upto], items, cache_salt=cache_salt)
 
     def discard(self, rendered: Rendered) -> None:
         forget_sent(self.llm, rendered.first_sent)

@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Sequence
 
 import msgspec
@@ -58,11 +59,12 @@ from mmhandoff.wire.errors import (  # noqa: F401  (re-exported: the errors are 
 # state) and sampling's `logit_bias`. 6: `block_hashes`, the prompt's prefix-cache block hashes
 # as prefill's engine computes them (the router looks them up instead of hashing again).
 # 7: `claim`, where decode claims the handoff's KV before it pulls (single use across the graph).
+# 8: video items: their grids (`mm_grids["video"]`, several frames) and a grid's `seconds`.
 # Older versions (1: no first token, decode samples it) stay readable (mmhandoff.wire.legacy), so
 # a decode tier upgraded first keeps taking an older prefill's handoffs; an older decode refuses a
 # newer one by version.
-VERSION = 7
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5, 6, VERSION})
+VERSION = 8
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5, 6, 7, VERSION})
 
 
 # ---- wire types ---------------------------------------------------------------------------------
@@ -98,15 +100,18 @@ class Claim(_Strict, frozen=True):
     instance: int  # the issuing prefill's Dynamo instance id
 
 
-class Grid(_Strict, frozen=True):
-    """One image's grid of vision patches as its processor computed it (frames, rows, columns
-    before the spatial merge: vLLM's `image_grid_thw`). Three integers, not media: an M-RoPE
-    model (Qwen2-VL, Qwen2.5-VL) derives from them the positions of the image's tokens and so
-    of every token after it."""
+class Grid(_Strict, frozen=True, omit_defaults=True):
+    """One item's grid of vision patches as its processor computed it (frames, rows, columns
+    before the spatial merge: vLLM's `image_grid_thw`, `video_grid_thw`). Numbers, not media:
+    an M-RoPE model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) derives from them the positions of the
+    item's tokens and so of every token after it. `seconds` (v8, videos of Qwen2.5-VL only):
+    the seconds one temporal step of the grid spans (`second_per_grid_ts`), which spaces the
+    frames' temporal positions."""
 
     t: int
     h: int
     w: int
+    seconds: float | None = None
 
 
 class Features(_Strict):
@@ -385,13 +390,12 @@ def check_structure(h: Handoff) -> None:
 
 
 def check_admission(h: Handoff, *, fingerprint: str, keys: Sequence[bytes] = (),
-                    now: float | None = None, grid_merge: int | None = None) -> None:
+                    now: float | None = None, grid_rules: GridRules | None = None) -> None:
     """The decode-side rules that need the engine's context: its model fingerprint, the keys
     a handoff may be signed with (several during a key rotation; none: unsigned handoffs are
     taken, and a digest, if any, is checked as a checksum), and whether its model derives
-    positions from each image's grid (`grid_merge`: the spatial merge, rows x columns of patches
-    per token; None: no position state)."""
-    check_position_state(h, grid_merge)
+    positions from each item's grid (`grid_rules`; None: no position state)."""
+    check_position_state(h, grid_rules)
     if h.sampling.prompt_logprobs is not None:
         raise UnsupportedRequest("prompt logprobs need the prompt computed; decode does not")
     if h.features.mm_hashes and not h.requires_kv:
@@ -424,30 +428,90 @@ def authentic(h: Handoff, keys: Sequence[bytes] = ()) -> bool:
                                         for key in keys)
 
 
-def check_position_state(h: Handoff, grid_merge: int | None) -> None:
-    """Grids exactly for a model that needs them, one per image, each one frame whose merged
-    size is its image's placeholder length (vLLM's M-RoPE code asserts one frame: a grid with
-    more would stop the engine, not fail the request)."""
+@dataclass(frozen=True)
+class GridRules:
+    """What a decode engine whose positions derive from each item's grid takes (from its model's
+    config: vllm_adapter.positions.grid_rules)."""
+
+    merge: int  # rows (and columns) of patches merged into one token
+    # videos: each grid's `seconds` is required (Qwen2.5-VL's second_per_grid_ts), else refused
+    video_seconds: bool = False
+    # videos: each temporal step is its own bracket in the prompt, <start> video tokens <end>,
+    # after its timestamp's text (Qwen3-VL); the (start, end, video) token ids. None: a video's
+    # tokens are one run of its span.
+    frame_tokens: tuple[int, int, int] | None = None
+
+
+MAX_GRID_SECONDS = 3600.0  # one temporal step of an hour: anything above is not a video's
+
+
+def check_position_state(h: Handoff, rules: GridRules | None) -> None:
+    """Grids exactly for a model that needs them, one per item, each consistent with its
+    placeholder: an image one frame whose merged size is its span's embedded tokens; a video
+    `t` steps of that many tokens each, laid out as the model lays them (`rules`). vLLM's M-RoPE
+    code asserts these (and Qwen3-VL's searches the prompt's tokens for each frame): a grid
+    that disagrees would stop the engine, not fail the request."""
     grids = {m: g for m, g in (h.features.mm_grids or {}).items() if g}
-    if grid_merge is None:
+    if rules is None:
         if grids:
-            raise PositionStateUnexpected("the handoff carries image grids; this model's "
-                                          "positions do not depend on them")
+            raise PositionStateUnexpected("the handoff carries grids; this model's positions "
+                                          "do not depend on them")
         return
+    merge = rules.merge
     for modality, digest, span, grid in h.items_with_grids():
         if grid is None:
-            raise PositionStateMissing(f"this model derives positions from each image's grid; "
+            raise PositionStateMissing(f"this model derives positions from each item's grid; "
                                        f"the handoff has none for {modality} {digest[:16]}")
-        if modality != "image" or grid.t != 1:
-            raise PositionStateMismatch(f"{modality} grid {grid.t}x{grid.h}x{grid.w}: only "
-                                        "images of one frame are taken")
-        if grid.h % grid_merge or grid.w % grid_merge:
-            raise PositionStateMismatch(f"image grid {grid.h}x{grid.w} is not a multiple of the "
-                                        f"model's {grid_merge}x{grid_merge} merge")
-        tokens = grid.t * grid.h * grid.w // grid_merge ** 2
-        if tokens != span.length:
-            raise PositionStateMismatch(f"image grid {grid.t}x{grid.h}x{grid.w} makes {tokens} "
-                                        f"tokens; its placeholder has {span.length}")
+        shape = f"{modality} grid {grid.t}x{grid.h}x{grid.w}"
+        if modality not in ("image", "video") or modality == "image" and grid.t != 1:
+            raise PositionStateMismatch(f"{shape}: only images of one frame and videos are "
+                                        "taken")
+        if grid.h % merge or grid.w % merge:
+            raise PositionStateMismatch(f"{shape} is not a multiple of the model's "
+                                        f"{merge}x{merge} merge")
+        seconds = grid.seconds
+        wanted = modality == "video" and rules.video_seconds
+        if (seconds is not None) != wanted:
+            raise PositionStateMismatch(
+                f"{shape}: {'no' if seconds is None else 'a'} seconds per step; this model "
+                f"{'needs them' if wanted else 'takes none'} for its {modality}s")
+        if seconds is not None and not 0 < seconds <= MAX_GRID_SECONDS:  # NaN fails too
+            raise PositionStateMismatch(f"{shape}: {seconds} seconds per step is not in "
+                                        f"(0, {MAX_GRID_SECONDS:g}]")
+        per_step = grid.h * grid.w // merge ** 2
+        embedded = span.length if span.is_embed is None else sum(span.is_embed)
+        if grid.t * per_step != embedded:
+            raise PositionStateMismatch(f"{shape} makes {grid.t * per_step} tokens; its "
+                                        f"placeholder has {embedded}")
+        if modality == "video" and rules.frame_tokens is not None:
+            _check_frames(h.token_ids, span, grid.t, per_step, rules.frame_tokens, shape)
+
+
+def _check_frames(token_ids: Sequence[int], span: Span, steps: int, per_step: int,
+                  frame_tokens: tuple[int, int, int], shape: str) -> None:
+    """A Qwen3-VL video's span: `steps` brackets <start> `per_step` video tokens <end>, each
+    after its timestamp's text, and the video tokens exactly the embedded positions."""
+    start, end, video = frame_tokens
+    tokens = token_ids[span.offset:span.offset + span.length]
+    embed = span.is_embed or [True] * span.length
+    brackets, i = 0, 0
+    while i < len(tokens):
+        if tokens[i] in (end, video) or embed[i]:
+            break  # a video token or an end outside a bracket
+        if tokens[i] != start:
+            i += 1  # the timestamp's text
+            continue
+        run = tokens[i + 1:i + 1 + per_step]
+        closed = i + 1 + per_step < len(tokens) and tokens[i + 1 + per_step] == end
+        if (not closed or run.count(video) != per_step
+                or not all(embed[i + 1:i + 1 + per_step]) or embed[i] or embed[i + 1 + per_step]):
+            break
+        brackets, i = brackets + 1, i + 2 + per_step
+    else:
+        if brackets == steps:
+            return
+    raise PositionStateMismatch(f"{shape}: its placeholder is not {steps} frames of "
+                                f"<start> {per_step} video tokens <end>")
 
 
 def sign(h: Handoff, key: bytes = b"", *, ttl_s: float | None = None,

@@ -45,6 +45,10 @@ def check_older(h: Any, default_sampling: Any) -> None:
         if getattr(node, name) is not None:  # each such field defaults to None
             raise MalformedHandoff(f"{'.'.join((*parents, name))} needs handoff version "
                                    f"{FIELDS_SINCE[(*parents, name)]}")
+    # a grid's `seconds` (8) is omitted from the encoding while None, so an older MAC holds
+    if h.v < 8 and any(g.seconds is not None
+                       for grids in (h.features.mm_grids or {}).values() for g in grids):
+        raise MalformedHandoff("a grid's seconds need handoff version 8")
 
 
 def signed_body(unsigned: Any) -> bytes | None:

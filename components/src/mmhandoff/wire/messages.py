@@ -25,11 +25,29 @@ class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknow
     image_url: ImageURL
 
 
+class VideoURL(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+
+
+class VideoPart(msgspec.Struct, tag_field="type", tag="video_url", forbid_unknown_fields=True):
+    """A video, in vLLM's form (OpenAI's API has none). Between components `url` is always a
+    data URI (the frontend fetched and checked it)."""
+
+    video_url: VideoURL
+
+
+MediaPart = ImagePart | VideoPart
+
+
+def media_url(part: MediaPart) -> str:
+    return part.image_url.url if isinstance(part, ImagePart) else part.video_url.url
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart | ImagePart]
+    content: str | list[TextPart | ImagePart | VideoPart]
 
-    def parts(self) -> list[TextPart | ImagePart]:
+    def parts(self) -> list[TextPart | ImagePart | VideoPart]:
         return [TextPart(self.content)] if isinstance(self.content, str) else self.content
 
 
@@ -59,7 +77,8 @@ class PrefillRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the prompt's log probabilities with this many top tokens each (completions' echo with
     # logprobs): computed by the engine that computes the prompt (prefill, or agg)
     prompt_logprobs: int | None = None
-    # one per image, naming its prefix (frontend.placement.image_keys), in a graph with a router:
+    # one per image or video, naming its prefix (frontend.placement.image_keys), in a graph with
+    # a router:
     # prefill publishes which of its engine's blocks each stands for, for the router's placement
     image_keys: list[str] = []
 
@@ -70,6 +89,10 @@ class PrefillRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def image_urls(self) -> list[str]:
         return [p.image_url.url for m in self.messages for p in m.parts()
                 if isinstance(p, ImagePart)]
+
+    def media(self) -> list[ImagePart | VideoPart]:
+        """The request's images and videos, in prompt order."""
+        return [p for m in self.messages for p in m.parts() if isinstance(p, MediaPart)]
 
 
 class PrefillStats(msgspec.Struct, kw_only=True):
