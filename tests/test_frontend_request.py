@@ -19,12 +19,15 @@ from PIL import Image
 from mmhandoff.frontend.app import Frontend, FrontendLimits
 from mmhandoff.frontend.request import ApiError, RequestReader
 from mmhandoff.media.fetch import FetchPolicy
-from tests.conftest import data_uri, encode, make_image, serve_app
+from mmhandoff.media.videos import VideoLimits
+from tests.conftest import data_uri, encode, make_image, make_video, serve_app
 
 pytestmark = pytest.mark.unit
 
 MODEL = "tiny-llava"
-LIMITS = FrontendLimits(max_body_bytes=2 << 20, max_images=2, max_image_bytes=1 << 20)
+LIMITS = FrontendLimits(max_body_bytes=2 << 20, max_images=2, max_image_bytes=1 << 20,
+                        max_videos=1, video=VideoLimits(max_bytes=1 << 20, max_duration_s=5,
+                                                        max_frames=100, max_pixels=320 * 240))
 
 
 class Untouchable:
@@ -183,6 +186,63 @@ def test_bad_chat_input_gets_its_4xx_and_reaches_no_worker(server, backends, cas
     assert (got_status, got["error"]["code"]) == (status, code)
     assert got["error"]["message"] and got["error"]["type"] == "invalid_request_error"
     assert [b.calls for b in backends] == [0, 0]
+
+
+def video_body(*urls, **kw):
+    parts = [{"type": "video_url", "video_url": {"url": u}} for u in urls]
+    return json.dumps({"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": parts + [{"type": "text", "text": "What happens?"}]}], **kw}
+    ).encode()
+
+
+CLIP = data_uri(make_video(64, 48, 8, 4.0, 70), "video/mp4")  # within every limit
+VIDEO_CASES = {
+    "video_url a bare string": (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": CLIP}]}]}).encode(), 400, "invalid_content_part"),
+    "video_url without a url": (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {}}]}]}).encode(), 400, "invalid_video"),
+    "not a video": (video_body(data_uri(b"hello, world", "video/mp4")), 400, "invalid_video"),
+    "an image as a video": (video_body(data_uri(encode(make_image(64, 64, 71)), "video/mp4")),
+                            400, "invalid_video"),
+    "a cut-off video": (video_body(data_uri(make_video(64, 48, 8, 4.0, 72)[:2000], "video/mp4")),
+                        400, "invalid_video"),
+    "an image data URI as a video": (video_body(GOOD), 400, "invalid_video_url"),
+    "frames as a JPEG list (vLLM's video/jpeg)": (
+        video_body("data:video/jpeg;base64," + ",".join([GOOD.split(",", 1)[1]] * 2)),
+        400, "invalid_base64"),
+    "invalid base64": (video_body("data:video/mp4;base64,@@@@"), 400, "invalid_base64"),
+    "video bytes": (video_body(data_uri(b"\0" * (1 << 20) + b"\0", "video/mp4")), 413,
+                    "video_too_large"),
+    "frame size": (video_body(data_uri(make_video(640, 480, 2, 2.0, 73), "video/mp4")), 413,
+                   "video_too_large"),
+    "duration": (video_body(data_uri(make_video(32, 32, 12, 2.0, 74), "video/mp4")), 400,
+                 "video_too_long"),  # 6 s
+    "frames": (video_body(data_uri(make_video(32, 32, 120, 60.0, 75), "video/mp4")), 400,
+               "video_too_long"),  # 2 s, 120 frames
+    "too many videos": (video_body(CLIP, CLIP), 400, "too_many_videos"),
+    "file URL": (video_body("file:///etc/passwd"), 400, "invalid_video_url"),
+    "URL to 10/8": (video_body("http://10.1.2.3/x.mp4"), 400, "video_url_forbidden"),
+    "URL to metadata": (video_body("http://169.254.169.254/latest/meta-data/"), 400,
+                        "video_url_forbidden"),
+}
+
+
+@pytest.mark.parametrize("case", list(VIDEO_CASES))
+def test_bad_video_input_gets_its_4xx_and_reaches_no_worker(server, backends, case):
+    body, status, code = VIDEO_CASES[case]
+    got_status, got = post(server, body)
+    assert (got_status, got["error"]["code"]) == (status, code), got
+    assert got["error"]["message"] and got["error"]["type"] == "invalid_request_error"
+    assert [b.calls for b in backends] == [0, 0]
+
+
+def test_a_video_within_the_limits_goes_on_as_its_data_uri():
+    """A video that passes the probe is sent on unchanged; one fetched over http(s) becomes a
+    data URI of its bytes (tests below: the loopback server)."""
+    reader = RequestReader(MODEL, limits=LIMITS)
+    request = asyncio.run(reader.chat(json.loads(video_body(CLIP))))
+    (part,) = request.media()
+    assert part.video_url.url == CLIP
 
 
 URL_CASES = {  # path on the loopback image server -> (status, code), with loopback allowed

@@ -327,7 +327,9 @@ def test_a_follow_up_bypass_takes_its_positions_from_the_grids(loop, qwen):
 
 # ---- video --------------------------------------------------------------------------------------
 VIDEO_CASES = {  # (kind, (width, height, frames, fps, seed) | (width, height, seed))
-    "video": [("video", (64, 48, 8, 4.0, 31))],
+    # 1 frame a second: the processor samples (Qwen2.5-VL: 2 s per step); 6 a second: the
+    # loader samples at 2 (1 s per step)
+    "video": [("video", (64, 48, 8, 1.0, 31))],
     "image-then-video": [("image", (320, 240, 32)), ("video", (96, 64, 12, 6.0, 33))],
 }
 
@@ -356,3 +358,121 @@ def test_video_parity_handoff_agg(loop, qwen, qwen_model, case):
     assert (grid.seconds is not None) == ("qwen2-5-vl" in Path(qwen_model).name)
     videos = [blob for kind, blob in parts if kind == "video"]
     assert last.stats.request_bytes < 4096 < sum(map(len, videos))  # metadata, never the video
+
+
+def _video_request(request_id, blob, sampling, text="What happens?"):
+    return PrefillRequest(request_id=request_id, messages=video_chat(text, ("video", blob)),
+                          sampling=sampling)
+
+
+def test_video_vllm_greedy_equals_transformers(loop, qwen, qwen_model):
+    """transformers' processor and model, given the frames vLLM's loader sampled and their
+    metadata, answer as the aggregated engine, and compute the grid (and seconds per step) the
+    handoff carries. (The clip's frames are wider, in merged tokens, than its temporal extent:
+    transformers 5.17 places the text after a Qwen2.5-VL video max(h, w) / merge positions past
+    the video's start, where vLLM, and transformers as Qwen2.5-VL was released, go on after the
+    video's last position, its temporal one included; the two agree on such a clip only.)"""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    prefill, _, _, full_engine, *_ = qwen
+    s = greedy(16, ignore_eos=True)
+    request = _video_request("qv-hf", make_video(160, 120, 8, 4.0, 34), s)
+    ours = loop.run(agg_run(prefill, full_engine, "qv-hf", request.messages, s))
+    (video,) = loop.run(prefill.prompts.media(request, decode=True))
+    frames, metadata = video.video
+    assert not metadata["do_sample_frames"]  # sampled by the loader: transformers takes them
+    processor = AutoProcessor.from_pretrained(qwen_model)
+    model = AutoModelForImageTextToText.from_pretrained(qwen_model, dtype=torch.float32)
+    given = {k: v for k, v in metadata.items() if k not in ("do_sample_frames", "video_backend")}
+    inputs = processor(text=[prefill.prompts.text(request)], videos=[frames],
+                       video_metadata=[given], do_sample_frames=False, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    assert out[0, inputs["input_ids"].shape[1]:].tolist() == ours
+    handoff, _ = loop.run(prefill.handoff(request))
+    (grid,) = handoff.features.mm_grids["video"]
+    assert [grid.t, grid.h, grid.w] == inputs["video_grid_thw"][0].tolist()
+    seconds = inputs.get("second_per_grid_ts")
+    assert grid.seconds == (None if seconds is None else float(seconds[0]))
+    assert handoff.token_ids == inputs["input_ids"][0].tolist()
+
+
+def test_video_position_state_admission_on_the_engines(loop, qwen):
+    """A video grid that does not match its span, and seconds per step where the model reads
+    none (or none where it does), are refused with their typed error before the engine sees
+    them; decode answers the next good handoff."""
+    prefill, decode, *_ = qwen
+    s = greedy(8, ignore_eos=True)
+    blob = make_video(64, 48, 8, 4.0, 35)
+
+    def handoff(i):
+        return loop.run(prefill.handoff(_video_request(f"qv-adm-{i}", blob, s)))[0]
+
+    (grid,) = handoff(0).features.mm_grids["video"]
+    other_seconds = None if grid.seconds is not None else 1.0
+    bad = [msgspec.structs.replace(grid, t=grid.t + 1),
+           msgspec.structs.replace(grid, w=grid.w + MERGE),
+           msgspec.structs.replace(grid, seconds=other_seconds)]
+    for i, wrong in enumerate(bad, 1):
+        with pytest.raises(PositionStateMismatch):
+            loop.run(collect(decode.generate(_with_grids(handoff(i), {"video": [wrong]}))))
+    tokens, last = loop.run(collect(decode.generate(handoff("good"))))
+    assert len(tokens) == 7 and last.stats.kv_tokens_pulled > 0
+
+
+def test_a_video_sent_again_goes_by_its_hash_and_keeps_its_grid(loop, qwen):
+    """A follow-up turn with the same video: prefill's memo skips decoding it (vLLM's processed
+    cache has it), its grid comes from prefill's memo, the answer is the same."""
+    prefill, decode, *_ = qwen
+    s = greedy(12, ignore_eos=True)
+    blob = make_video(96, 64, 12, 6.0, 36)
+    runs = []
+    for i in range(2):
+        request = _video_request(f"qv-again-{i}", blob, s)
+        (video,) = loop.run(prefill.prompts.media(request))
+        runs.append((video.video is None, *loop.run(
+            handoff_run(prefill, decode, request.request_id, request.messages, s))[::2]))
+    (first_bare, tokens0, h0), (again_bare, tokens1, h1) = runs
+    assert not first_bare and again_bare
+    assert tokens0 == tokens1 and h0.features.mm_grids == h1.features.mm_grids
+    assert h0.features.mm_hashes == h1.features.mm_hashes
+
+
+def test_a_video_prompts_block_hashes_are_the_engines(loop, qwen):
+    """The router's hashes of a prompt with a video (its identity in every block it spans)
+    equal what prefill's and decode's engines published."""
+    import time
+
+    from mmhandoff.vllm_adapter.block_hashes import BlockHasher
+    from tests.flows import published_chain
+
+    prefill, decode, _, _, prefill_events, decode_events = qwen
+    request = _video_request("qv-hashes", make_video(128, 96, 32, 8.0, 37), greedy(4),
+                             "Hash this clip, frame by frame, with its text.")
+    _, _, h = loop.run(handoff_run(prefill, decode, "qv-hashes", request.messages, greedy(4)))
+    assert len(h.token_ids) >= 64
+    deadline = time.monotonic() + 10
+    while None in (published_chain(prefill_events, h.token_ids),
+                   published_chain(decode_events, h.token_ids)):
+        assert time.monotonic() < deadline, "an engine published no KV events for the prompt"
+        time.sleep(0.05)
+    published = published_chain(prefill_events, h.token_ids)
+    assert BlockHasher(32).of_handoff(h) == published
+    assert published_chain(decode_events, h.token_ids) == published
+
+
+def test_a_model_without_video_refuses_one_with_a_typed_error(loop, engines):
+    """The tiny LLaVA takes images only: a video is the client's error (4xx), not a crash,
+    and the engine answers the next request."""
+    from mmhandoff.prefill.worker import ERRORS
+
+    llava = PrefillWorker(engines.prefill)
+    request = _video_request("qv-llava", make_video(64, 48, 8, 4.0, 38), greedy(4))
+    with pytest.raises(ERRORS) as e:
+        loop.run(llava.handoff(request))
+    assert e.value.fault == "client", e.value
+    handoff, _ = loop.run(llava.handoff(PrefillRequest(
+        request_id="qv-llava-image", messages=_messages([encode(make_image(64, 64, 39))]),
+        sampling=greedy(4))))
+    assert handoff.features.mm_hashes["image"]

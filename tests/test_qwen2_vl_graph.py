@@ -1,6 +1,7 @@
 """The tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL served by `mmhandoff serve`
-(configs/disagg_qwen2_vl.yaml): each image's grid crosses the graph in the handoff (through Dynamo), and the disagg graph
-answers exactly as the agg graph does with the same model."""
+(configs/disagg_qwen2_vl.yaml): each image's and video's grid crosses the graph in the handoff
+(through Dynamo), and the disagg graph answers exactly as the agg graph does with the same
+model, streamed or not."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import data_uri, encode, make_image
+from tests.conftest import data_uri, encode, make_image, make_video
 from tests.graph_runner import Graph
 
 pytestmark = pytest.mark.graph
@@ -33,26 +34,43 @@ def _config(source: str, tmp: Path, model: str) -> str:
     return str(out)
 
 
-QUESTIONS = {
+IMAGE_QUESTIONS = {
     "640x480": [(640, 480, "PNG", 41)],
     "portrait jpeg": [(240, 720, "JPEG", 42)],
     "two images": [(320, 240, "PNG", 43), (300, 100, "JPEG", 44)],
 }
+VIDEO_QUESTIONS = {  # (width, height, frames, fps, seed): an 8 s clip; an image then a 2 s clip
+    "a video": [("video", (64, 48, 8, 1.0, 45))],
+    "an image then a video": [("image", (320, 240, "PNG", 46)), ("video", (96, 64, 12, 6.0, 47))],
+}
+QUESTIONS = {**{k: [("image", spec) for spec in v] for k, v in IMAGE_QUESTIONS.items()},
+             **VIDEO_QUESTIONS}
+
+
+def _part(kind: str, spec: tuple) -> dict:
+    if kind == "video":
+        return {"type": "video_url", "video_url": {"url": data_uri(make_video(*spec),
+                                                                   "video/mp4")}}
+    w, h, fmt, seed = spec
+    return {"type": "image_url", "image_url": {"url": data_uri(
+        encode(make_image(w, h, seed), fmt), "image/jpeg" if fmt == "JPEG" else "image/png")}}
 
 
 def _answers(url: str, model: str) -> dict:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     out = {}
-    for name, images in QUESTIONS.items():
-        parts = [{"type": "image_url", "image_url": {"url": data_uri(
-            encode(make_image(w, h, seed), fmt), "image/jpeg" if fmt == "JPEG" else "image/png")}}
-            for w, h, fmt, seed in images]
-        r = client.chat.completions.create(
-            model=model, max_tokens=12, temperature=0, extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [*parts, {"type": "text",
-                                                            "text": "What do you see?"}]}])
+    for name, items in QUESTIONS.items():
+        ask = dict(model=model, max_tokens=12, temperature=0, extra_body={"ignore_eos": True},
+                   messages=[{"role": "user", "content": [
+                       *(_part(*item) for item in items),
+                       {"type": "text", "text": "What do you see?"}]}])
+        r = client.chat.completions.create(**ask)
         out[name] = (r.choices[0].message.content, r.usage.prompt_tokens,
                      r.usage.completion_tokens, r.model_extra["mmhandoff"]["request_bytes"])
+        if name in VIDEO_QUESTIONS:  # streamed too: the same text
+            chunks = client.chat.completions.create(**ask, stream=True)
+            out[f"{name}, streamed"] = "".join(c.choices[0].delta.content or "" for c in chunks
+                                               if c.choices)
     return out
 
 
@@ -71,5 +89,8 @@ def test_the_disagg_graph_serves_qwen_vl_as_the_agg_graph(tmp_path, model):
         agg, disagg = answers["agg"][name], answers["disagg"][name]
         assert disagg[:3] == agg[:3], name  # text, prompt tokens, completion tokens
         assert disagg[2] == 12 and agg[3] == 0 < disagg[3] < 4096, (name, disagg)
+    for name in VIDEO_QUESTIONS:
+        for graph_name in ("agg", "disagg"):
+            assert answers[graph_name][f"{name}, streamed"] == answers[graph_name][name][0]
     # the grid sizes the prompt: the portrait image and the two images differ in length
-    assert len({a[1] for a in answers["disagg"].values()}) == len(QUESTIONS)
+    assert len({answers["disagg"][name][1] for name in IMAGE_QUESTIONS}) == len(IMAGE_QUESTIONS)

@@ -1,9 +1,9 @@
 """Which prefill replica takes a request: the frontend asks the router (router.place) before
-prefill, with an identity of each image's prefix that costs no image decode.
+prefill, with an identity of each image's (and video's) prefix that costs no decode.
 
-`image_keys(request)`: one key per image, in prompt order. Key i hashes what the rendered prompt
-holds up to image i's end, as the client sent it: the cache salt, each message's role and text,
-and the bytes of every image up to and including image i. A chat template renders messages in
+`image_keys(request)`: one key per image or video, in prompt order. Key i hashes what the
+rendered prompt holds up to item i's end, as the client sent it: the cache salt, each message's
+role and text, and the bytes of every item up to and including item i. A chat template renders messages in
 order, so two requests with the same key i share the prompt, and so the engine's KV blocks,
 through image i. Prefill workers publish which engine blocks a key stands for
 (prefill.prefixes), routers keep it (router.prefix_table) and place the next request with that
@@ -25,7 +25,14 @@ import msgspec
 from blake3 import blake3
 
 from mmhandoff.plane.runtime import RemoteError, call_one
-from mmhandoff.wire.messages import ImagePart, Placement, PlaceRequest, PrefillRequest
+from mmhandoff.wire.messages import (
+    ImagePart,
+    Placement,
+    PlaceRequest,
+    PrefillRequest,
+    VideoPart,
+    media_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +41,18 @@ _PERSON = b"mmhandoff image prefix v1\0"  # the keys' format: change it when wha
 
 
 def image_keys(request: PrefillRequest) -> list[str]:
-    """One hex key per image of a chat request (none for a raw completions prompt)."""
+    """One hex key per image or video of a chat request (none for a raw completions prompt)."""
     chain = blake3(_PERSON)
     chain.update(b"salt\0" + (request.cache_salt or "").encode() + b"\0")
     keys = []
     for message in request.messages:
         chain.update(b"role\0" + message.role.encode() + b"\0")
         for part in message.parts():
-            if isinstance(part, ImagePart):
-                # the data URI (the frontend made every URL one) stands for the image's bytes;
+            if isinstance(part, (ImagePart, VideoPart)):
+                # the data URI (the frontend made every URL one) stands for the item's bytes;
                 # blake3: ~4x sha256's speed, and no copy but the encoding
-                chain.update(b"image\0" + blake3(part.image_url.url.encode()).digest())
+                kind = b"image\0" if isinstance(part, ImagePart) else b"video\0"
+                chain.update(kind + blake3(media_url(part).encode()).digest())
                 keys.append(chain.copy().hexdigest(16))
             else:
                 text = part.text.encode()

@@ -1,10 +1,11 @@
 """Reading an OpenAI request body into a PrefillRequest: every check the frontend makes before
 anything starts. Each refusal is an `ApiError` (status, OpenAI-style code); nothing is sent on.
 
-Messages are parsed here, once, into typed parts (mmhandoff.wire.messages: text and image_url
-parts only), so a client cannot pass any other form through (e.g. a server-side file path).
-Image URLs are fetched here, behind mmhandoff.media.fetch's guard, and travel on as data URIs:
-workers never open a connection for a client.
+Messages are parsed here, once, into typed parts (mmhandoff.wire.messages: text, image_url and
+video_url parts only), so a client cannot pass any other form through (e.g. a server-side file
+path). Image and video URLs are fetched here, behind mmhandoff.media.fetch's guard, and travel on
+as data URIs: workers never open a connection for a client. A video is probed (its container's
+header: size, frames, rate) against the limits; its frames are decoded by prefill only.
 """
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ from mmhandoff.media.images import (
     data_uri_bytes,
     peek_data_uri,
 )
+from mmhandoff.media.videos import VideoLimits, VideoTooLarge, check_video, probe_video
 from mmhandoff.wire.handoff import Sampling, Structured
-from mmhandoff.wire.messages import ChatMessage, ImagePart, ImageURL, PrefillRequest, TextPart
+from mmhandoff.wire.messages import (
+    ChatMessage,
+    ImagePart,
+    ImageURL,
+    PrefillRequest,
+    TextPart,
+    VideoPart,
+    VideoURL,
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,8 @@ class FrontendLimits:
     max_image_bytes: int = 32 * 1024 * 1024
     max_image_pixels: int = 50_000_000
     max_images: int = 8
+    video: VideoLimits = VideoLimits()  # each video's bytes, frame size, frames and duration
+    max_videos: int = 2
     max_tokens: int = 4096
     max_prompt_chars: int = 1_000_000
 
@@ -59,6 +71,11 @@ def _probe(data: bytes) -> tuple[int, int, str | None] | None:
         return None
 
 
+_VIDEO_FETCH_CODES = {"image_url_forbidden": "video_url_forbidden",
+                      "image_fetch_failed": "video_fetch_failed",
+                      "image_too_large": "video_too_large"}
+
+
 def _image_error(e: ImageError) -> ApiError:
     return ApiError(413 if isinstance(e, ImageTooLarge) else 400, str(e), e.code)
 
@@ -75,6 +92,8 @@ class RequestReader:
     def __post_init__(self) -> None:  # one image-size limit, whatever way the image comes
         self.fetcher = ImageFetcher(replace(self.fetch_policy,
                                             max_bytes=self.limits.max_image_bytes))
+        self.video_fetcher = ImageFetcher(replace(self.fetch_policy,
+                                                  max_bytes=self.limits.video.max_bytes))
 
     # ---- the two request kinds ----------------------------------------------------------------
     async def chat(self, body: Any) -> PrefillRequest:
@@ -85,14 +104,21 @@ class RequestReader:
             raise ApiError(400, "messages must be a non-empty list", "invalid_messages")
         typed = [self._message(m) for m in messages]
         images = [p for m in typed for p in m.parts() if isinstance(p, ImagePart)]
+        videos = [p for m in typed for p in m.parts() if isinstance(p, VideoPart)]
         if len(images) > self.limits.max_images:
             raise ApiError(400, f"{len(images)} images; at most {self.limits.max_images} per "
                                 "request", "too_many_images")
-        # fetched images together may take what a body could carry (each: max_image_bytes)
+        if len(videos) > self.limits.max_videos:
+            raise ApiError(400, f"{len(videos)} videos; at most {self.limits.max_videos} per "
+                                "request", "too_many_videos")
+        # fetched media together may take what a body could carry (each: its own limit)
         budget = ByteBudget(self.limits.max_body_bytes)
-        uris = await asyncio.gather(*(self._image(p.image_url.url, budget) for p in images))
-        for part, uri in zip(images, uris):  # image parts now carry checked data URIs
+        uris = await asyncio.gather(*(self._image(p.image_url.url, budget) for p in images),
+                                    *(self._video(p.video_url.url, budget) for p in videos))
+        for part, uri in zip(images, uris):  # media parts now carry checked data URIs
             part.image_url.url = uri
+        for part, uri in zip(videos, uris[len(images):]):
+            part.video_url.url = uri
         return PrefillRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=typed,
                               sampling=sampling, cache_salt=salt)
 
@@ -139,21 +165,22 @@ class RequestReader:
         return ChatMessage(message["role"], [self._part(p) for p in content])
 
     @staticmethod
-    def _part(part: Any) -> TextPart | ImagePart:
+    def _part(part: Any) -> TextPart | ImagePart | VideoPart:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
             return TextPart(part["text"])
-        if kind == "image_url":
-            image_url = part.get("image_url")
-            if not isinstance(image_url, dict):  # OpenAI's shape; a bare string is not
-                raise ApiError(400, 'image_url must be an object: {"url": "data:..." or '
+        if kind in ("image_url", "video_url"):
+            media = part.get(kind)
+            if not isinstance(media, dict):  # OpenAI's shape (vLLM's for video); not a string
+                raise ApiError(400, f'{kind} must be an object: {{"url": "data:..." or '
                                     '"https://..."}', "invalid_content_part")
-            url = image_url.get("url")
+            url = media.get("url")
             if not isinstance(url, str) or not url:
-                raise ApiError(400, "image_url needs a url", "invalid_image")
-            return ImagePart(ImageURL(url))
-        raise ApiError(400, f"unsupported content part {kind!r}: text and image_url are "
-                            "supported", "invalid_content_part")
+                raise ApiError(400, f"{kind} needs a url",
+                               "invalid_image" if kind == "image_url" else "invalid_video")
+            return ImagePart(ImageURL(url)) if kind == "image_url" else VideoPart(VideoURL(url))
+        raise ApiError(400, f"unsupported content part {kind!r}: text, image_url and video_url "
+                            "are supported", "invalid_content_part")
 
     async def _image(self, url: str, budget: ByteBudget) -> str:
         """A checked data URI for an image given as a data URI or an http(s) URL."""
@@ -182,6 +209,34 @@ class RequestReader:
             return url
         mime = Image.MIME.get(fmt or "", "application/octet-stream")
         return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+    async def _video(self, url: str, budget: ByteBudget) -> str:
+        """A checked data URI for a video given as a data URI or an http(s) URL: its container
+        probed (no frame decoded) against the size, frame and duration limits."""
+        limits = self.limits.video
+        try:
+            if url.startswith("data:"):
+                if not url.startswith("data:video/"):
+                    raise ApiError(400, "a video data URI must be data:video/<type>;base64,...",
+                                   "invalid_video_url")
+                try:
+                    data = data_uri_bytes(url, ImageLimits(max_bytes=limits.max_bytes))
+                except ImageTooLarge:
+                    raise VideoTooLarge(f"video is over the {limits.max_bytes}-byte limit") \
+                        from None
+            elif url.startswith(("http://", "https://")):
+                data = await self.video_fetcher.fetch(url, budget)
+            else:
+                raise ApiError(400, "video_url must be a data URI or an http(s) URL",
+                               "invalid_video_url")
+            check_video(await asyncio.to_thread(probe_video, data), limits)
+        except ImageError as e:
+            error = _image_error(e)
+            error.code = _VIDEO_FETCH_CODES.get(error.code, error.code)  # (the shared fetcher's)
+            raise error from None
+        if url.startswith("data:"):
+            return url
+        return f"data:video/mp4;base64,{base64.b64encode(data).decode()}"
 
     def _sampling(self, body: dict, chat: bool) -> Sampling:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))

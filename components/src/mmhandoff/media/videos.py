@@ -57,14 +57,32 @@ class VideoInfo:
         return self.frames / self.fps
 
 
+def container(data: bytes) -> str | None:
+    """The video container `data` starts as, by its magic bytes: "mp4" (ISO media: MP4, MOV,
+    3GP), "matroska" (MKV, WebM) or "avi"; None for anything else."""
+    if data[4:8] == b"ftyp":
+        return "mp4"
+    if data[:4] == b"\x1a\x45\xdf\xa3":
+        return "matroska"
+    if data[:4] == b"RIFF" and data[8:12] == b"AVI ":
+        return "avi"
+    return None
+
+
+CONTAINERS = ("mp4", "matroska", "avi")
+
+
 def probe_video(data: bytes) -> VideoInfo:
     """The container's frame size, frame count and rate, no frame decoded; InvalidVideo when
-    it is not a video OpenCV can read (an image opens as a "video" without a frame count)."""
+    it is not a video OpenCV can read. Only the containers above reach OpenCV: FFmpeg guesses
+    a format for anything else, and an image given to it as a stream crashed the process."""
     import cv2
 
-    if not data:
-        raise InvalidVideo("video data is empty")
-    cap = cv2.VideoCapture(io.BytesIO(data), cv2.CAP_FFMPEG, [])
+    if container(data) is None:
+        raise InvalidVideo(f"data is not a video in a supported container "
+                           f"({', '.join(CONTAINERS)})")
+    stream = io.BytesIO(data)  # referenced until released: OpenCV reads it then (else: SIGSEGV)
+    cap = cv2.VideoCapture(stream, cv2.CAP_FFMPEG, [])
     try:
         if not cap.isOpened():
             raise InvalidVideo("data is not a readable video")

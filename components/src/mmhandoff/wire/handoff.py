@@ -447,8 +447,8 @@ MAX_GRID_SECONDS = 3600.0  # one temporal step of an hour: anything above is not
 
 def check_position_state(h: Handoff, rules: GridRules | None) -> None:
     """Grids exactly for a model that needs them, one per item, each consistent with its
-    placeholder: an image one frame whose merged size is its span's embedded tokens; a video
-    `t` steps of that many tokens each, laid out as the model lays them (`rules`). vLLM's M-RoPE
+    placeholder: an image one frame whose merged size is its span's length; a video `t` steps
+    of that many tokens each, laid out as the model lays them (`rules`). vLLM's M-RoPE
     code asserts these (and Qwen3-VL's searches the prompt's tokens for each frame): a grid
     that disagrees would stop the engine, not fail the request."""
     grids = {m: g for m, g in (h.features.mm_grids or {}).items() if g}
@@ -479,12 +479,11 @@ def check_position_state(h: Handoff, rules: GridRules | None) -> None:
             raise PositionStateMismatch(f"{shape}: {seconds} seconds per step is not in "
                                         f"(0, {MAX_GRID_SECONDS:g}]")
         per_step = grid.h * grid.w // merge ** 2
-        embedded = span.length if span.is_embed is None else sum(span.is_embed)
-        if grid.t * per_step != embedded:
-            raise PositionStateMismatch(f"{shape} makes {grid.t * per_step} tokens; its "
-                                        f"placeholder has {embedded}")
-        if modality == "video" and rules.frame_tokens is not None:
+        if modality == "video" and rules.frame_tokens is not None:  # text between the frames
             _check_frames(h.token_ids, span, grid.t, per_step, rules.frame_tokens, shape)
+        elif grid.t * per_step != span.length:
+            raise PositionStateMismatch(f"{shape} makes {grid.t * per_step} tokens; its "
+                                        f"placeholder has {span.length}")
 
 
 def _check_frames(token_ids: Sequence[int], span: Span, steps: int, per_step: int,
