@@ -176,7 +176,7 @@ def test_decodes_grid_field_is_the_models_own(loop, qwen):
     assert text_only.features.mm_grids == {}
     rendered = render([encode(make_image(56, 84, 29))])
     (item,) = rendered.engine_input["mm_kwargs"]["image"]
-    ours = grid_feature_data(rendered.features.mm_grids["image"][0])[GRID_KEY]
+    ours = grid_feature_data("image", rendered.features.mm_grids["image"][0])[GRID_KEY]
     assert ours.field == item[GRID_KEY].field and ours.field.keep_on_cpu
     assert ours.data.tolist() == item[GRID_KEY].data.tolist()
     for r in (text_only, rendered):

@@ -340,6 +340,18 @@ def test_what_the_grid_position_state_uses_of_vllm():
     strip = inspect.getsource(mm_utils.strip_covered_mm_data)
     assert "uses_mrope" in strip and "keep_on_cpu" in strip
     assert {"data", "field"} <= set(_params(MultiModalFieldElem))
-    item = grid_feature_data(Grid(t=1, h=4, w=6))
+    item = grid_feature_data("image", Grid(t=1, h=4, w=6))
     assert set(item) == {GRID_KEY} and item[GRID_KEY].data.tolist() == [1, 4, 6]
     assert item[GRID_KEY].field.keep_on_cpu
+    # a video's grid and (Qwen2.5-VL) its seconds per step: the fields and their `.item()`
+    # that Qwen2.5-VL's iter_mm_grid_thw reads
+    from mmhandoff.vllm_adapter.positions import GRID_KEYS, SECONDS_KEY
+
+    video = grid_feature_data("video", Grid(t=3, h=4, w=6, seconds=2.0))
+    assert set(video) == {GRID_KEYS["video"], SECONDS_KEY}
+    assert video[GRID_KEYS["video"]].data.tolist() == [3, 4, 6]
+    assert video[SECONDS_KEY].data.item() == 2.0 and video[SECONDS_KEY].field.keep_on_cpu
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+    iterate = inspect.getsource(Qwen2_5_VLForConditionalGeneration.iter_mm_grid_thw)
+    assert '"video_grid_thw"' in iterate and '"second_per_grid_ts"' in iterate
