@@ -15,7 +15,7 @@ import pytest
 
 from mmhandoff.decode.worker import DecodeWorker
 from mmhandoff.prefill.worker import PrefillWorker
-from tests.conftest import encode, make_image, make_video, start, video_chat
+from tests.conftest import encode, free_port, make_image, make_video, start, video_chat
 from tests.flows import agg_run, greedy, handoff_run
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +29,7 @@ def qwen_gpu(loop):
     common = dict(model=str(ensure_dummy_model("qwen2.5-vl-7b")), dtype="bfloat16",
                   enforce_eager=True, max_model_len=16384, extra={"load_format": "dummy"},
                   gpu_memory_utilization=0.28)
-    engines = {role: start(loop, EngineSpec(role=role, **common))
+    engines = {role: start(loop, EngineSpec(role=role, nixl_port=free_port(), **common))
                for role in ("prefill", "decode", "full_media_decode")}
     yield engines
     for engine in engines.values():

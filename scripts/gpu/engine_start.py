@@ -1,9 +1,11 @@
 """Time one engine's start for a model shape on the GPU host, to see where a slow start goes:
 
-    WATCHDOG_S=150 scripts/gpu/device.sh run python3 scripts/gpu/engine_start.py qwen2.5-vl-7b prefill
+    WATCHDOG_S=150 scripts/gpu/device.sh run python3 scripts/gpu/engine_start.py \
+        qwen2.5-vl-7b prefill,decode,full_media_decode
 
-prints the seconds to a ready engine (or the error); with WATCHDOG_S, device.sh writes every
-process's Python stacks when the start is still going after that long."""
+starts the roles one after another, as test_gpu_qwen.py's fixture does, and prints the seconds
+each took to be ready (or the error); with WATCHDOG_S, device.sh writes every process's Python
+stacks when the start is still going after that long."""
 
 from __future__ import annotations
 
@@ -13,17 +15,22 @@ import sys
 import time
 
 
-async def main(shape: str, role: str, extra: dict) -> None:
+async def main(shape: str, roles: str, extra: dict) -> None:
     from mmhandoff.models.dummy import ensure_dummy_model
     from mmhandoff.vllm_adapter import EngineSpec, start_engine
 
-    t0 = time.perf_counter()
-    spec = EngineSpec(model=str(ensure_dummy_model(shape)), role=role, dtype="bfloat16",
-                      enforce_eager=True, extra={"load_format": "dummy", **extra},
-                      gpu_memory_utilization=0.28, max_model_len=16384)
-    engine = start_engine(spec)
-    print(f"[engine_start] {shape} {role}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    engine.shutdown()
+    engines = []
+    for role in roles.split(","):
+        t0 = time.perf_counter()
+        spec = EngineSpec(model=str(ensure_dummy_model(shape)), role=role, dtype="bfloat16",
+                          nixl_port=5600 + len(engines),  # each its own side channel
+                          enforce_eager=True, extra={"load_format": "dummy", **extra},
+                          gpu_memory_utilization=0.28, max_model_len=16384)
+        engines.append(start_engine(spec))
+        print(f"[engine_start] {shape} {role}: ready in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    for engine in engines:
+        engine.shutdown()
 
 
 if __name__ == "__main__":
