@@ -1,4 +1,5 @@
-"""Helpers the benchmarks share: free ports, photo-like JPEGs, percentiles, peak memory."""
+"""Helpers the benchmarks share: free ports, photo-like JPEGs and video clips, percentiles,
+peak memory."""
 
 from __future__ import annotations
 
@@ -23,6 +24,34 @@ def jpeg(width: int, height: int, seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(img.astype(np.uint8)).save(buf, format="JPEG", quality=90)
     return buf.getvalue()
+
+
+def mp4(width: int, height: int, frames: int, fps: float, seed: int) -> bytes:
+    """An MPEG-4 (mp4v) clip written by OpenCV: a seed-tinted gradient with a square that moves
+    a step each frame (so the frames differ), plus noise. The same arguments, the same bytes."""
+    import tempfile
+    from pathlib import Path
+
+    import cv2
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tint = rng.uniform(0.3, 1.0, size=3).astype(np.float32)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([(x / width) * 255, (y / height) * 255, ((x + y) / (width + height)) * 255], -1)
+    side = max(4, min(width, height) // 4)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/clip.mp4"
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        if not writer.isOpened():
+            raise RuntimeError("OpenCV cannot write mp4v here")
+        for i in range(frames):
+            frame = base * tint + rng.normal(0, 12, size=base.shape)
+            left = i * (width - side) // max(frames - 1, 1)
+            frame[height // 3:height // 3 + side, left:left + side] = 255 * (1 - tint)
+            writer.write(np.clip(frame, 0, 255).astype(np.uint8))
+        writer.release()
+        return Path(path).read_bytes()
 
 
 class PeakRSS:

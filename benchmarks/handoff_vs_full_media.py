@@ -6,6 +6,9 @@
     # on a GPU (docs/gpu.md): a LLaVA-1.5-7B-shaped model with random weights
     python benchmarks/handoff_vs_full_media.py --model-shape llava-1.5-7b --concurrency 1,8 \
         --skip-overhead
+    # videos (Qwen-VL shapes only): 4 s at 640x360 and 8 s at 1280x720, 30 frames a second
+    python benchmarks/handoff_vs_full_media.py --model-shape qwen2.5-vl-7b --media video \
+        --concurrency 1,4 --skip-overhead
 
 Arms (same prefill engine, same settings otherwise):
 - full media: decode gets the prompt and the original image bytes, decodes and re-processes them,
@@ -15,7 +18,8 @@ Arms (same prefill engine, same settings otherwise):
 - handoff, prefill's token: the same handoff, but the answer's first token is prefill's (the
               client has it when prefill answers) and decode goes on from the second (the
               product's contract).
-Per arm, image size (640x480 and 12 MP JPEG) and concurrency (default 1 and 4): decode-side input
+Per arm, image size (640x480 and 12 MP JPEG; with `--media video`, two clips) and concurrency
+(default 1 and 4): decode-side input
 preparation, decode submit-to-first-token (admission, input preparation, KV pull, one step),
 TTFT (prefill start to the answer's first token: decode's, or prefill's in the third arm)
 p50/p95, decode request bytes, the prompt tokens decode pulled over NIXL, ratios.
@@ -39,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from benchmarks.common import PeakRSS, jpeg, pct, port  # noqa: E402
+from benchmarks.common import PeakRSS, jpeg, mp4, pct, port  # noqa: E402
 
 PREFILLS_TOKEN = "handoff, prefill's token"
 ARMS = ("full media", "handoff", PREFILLS_TOKEN)
@@ -68,10 +72,19 @@ async def measure(args, mem, engines: dict) -> None:
     from mmhandoff.vllm_adapter.engine import on_cpu
     from mmhandoff.vllm_adapter.inputs import sampling_params
     from mmhandoff.wire.handoff import Sampling, encode_handoff
-    from mmhandoff.wire.messages import FullMediaRequest, PrefillRequest, user
+    from mmhandoff.wire.messages import (
+        ChatMessage,
+        FullMediaRequest,
+        PrefillRequest,
+        TextPart,
+        VideoPart,
+        VideoURL,
+        user,
+    )
 
-    if args.model_shape in ("tiny", "tiny-qwen2-vl"):
-        model = str(ensure_tiny_model(arch="llava" if args.model_shape == "tiny" else "qwen2_vl"))
+    if args.model_shape in ("tiny", "tiny-qwen2-vl", "tiny-qwen2.5-vl"):
+        arch = {"tiny": "llava", "tiny-qwen2-vl": "qwen2_vl"}.get(args.model_shape, "qwen2_5_vl")
+        model = str(ensure_tiny_model(arch=arch))
         common = dict(model=model, dtype="float32")
         cores = {"prefill": "0", "decode": "1", "full-media decode": "1", "no connector": "1"}
     else:  # a real-size shape with random weights; GPU: each engine gets a share of it
@@ -109,12 +122,25 @@ async def measure(args, mem, engines: dict) -> None:
     decode = DecodeWorker(engines["decode"], kv_deadline_s=60)
     full = FullMediaDecodeWorker(engines["full-media decode"], kv_deadline_s=60)
     sampling = Sampling(max_tokens=8, temperature=0.0, ignore_eos=True)
-    sizes = {"640x480": (640, 480), "12 MP": (4000, 3000)}
+    video = args.media == "video"
+    sizes = ({"4 s 640x360": (640, 360, 4), "8 s 1280x720": (1280, 720, 8)} if video
+             else {"640x480": (640, 480), "12 MP": (4000, 3000)})
 
-    async def one(arm: str, image: bytes, rid: str):
+    def media(size: tuple, seed: int) -> bytes:
+        if video:
+            w, h, seconds = size
+            return mp4(w, h, 30 * seconds, 30.0, seed)
+        return jpeg(*size, seed)
+
+    async def one(arm: str, blob: bytes, rid: str):
         t0 = time.perf_counter()
-        uri = "data:image/jpeg;base64," + base64.b64encode(image).decode()
-        req = PrefillRequest(request_id=rid, messages=[user("Describe it.", uri)],
+        if video:
+            uri = "data:video/mp4;base64," + base64.b64encode(blob).decode()
+            messages = [ChatMessage("user", [VideoPart(VideoURL(uri)), TextPart("Describe it.")])]
+        else:
+            uri = "data:image/jpeg;base64," + base64.b64encode(blob).decode()
+            messages = [user("Describe it.", uri)]
+        req = PrefillRequest(request_id=rid, messages=messages,
                              sampling=sampling, first_token=arm == PREFILLS_TOKEN)
         handoff, _ = await asyncio.wait_for(prefill.handoff(req), 120)
         ttft = (time.perf_counter() - t0) * 1e3 if handoff.first_token is not None else None
@@ -127,8 +153,9 @@ async def measure(args, mem, engines: dict) -> None:
         else:
             prompt = prefill.prompts.text(req)
             wire = msgspec.msgpack.encode(FullMediaRequest(
-                request_id=rid, prompt=prompt, images=[image],
-                kv_transfer_params=handoff.kv_transfer_params, sampling=sampling))
+                request_id=rid, prompt=prompt, images=[] if video else [blob],
+                videos=[blob] if video else [], kv_transfer_params=handoff.kv_transfer_params,
+                sampling=sampling))
             stream = full.generate(wire)
         last = None
         async for chunk in stream:
@@ -142,11 +169,11 @@ async def measure(args, mem, engines: dict) -> None:
         return ttft, st.prepare_ms, len(wire), st.ttft_ms, st.kv_tokens_pulled, st.prompt_tokens
 
     rows = []
-    for size_name, (w, h) in sizes.items():
+    for size_name, size in sizes.items():
         n, seed = args.requests, 0
-        # a fresh image for every measured request: one seen before would be a prefix-cache hit
+        # a fresh item for every measured request: one seen before would be a prefix-cache hit
         # in prefill, and in the decode engine that served it (no KV pulled at all)
-        images = [jpeg(w, h, 1000 + i)
+        images = [media(size, 1000 + i)
                   for i in range(len(ARMS) * n * len(args.concurrency) + 1)]
         for conc in args.concurrency:
             for arm in ARMS:
@@ -168,13 +195,13 @@ async def measure(args, mem, engines: dict) -> None:
     print(f"\n## Handoff vs full media ({args.model_shape}, block {args.block_size}, cuda_ipc GET "
           f"{args.cuda_ipc_get}; KV blocks across layers {args.kv_blocks_across_layers}; "
           "TTFT = prefill start to the answer's first token)\n")
-    print("| image | conc | arm | decode prep ms | decode first token p50 / p95 ms | TTFT p50 ms "
+    print(f"| {args.media} | conc | arm | decode prep ms | decode first token p50 / p95 ms | TTFT p50 ms "
           "| TTFT p95 ms | decode request bytes | prompt tokens pulled |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.2f} | {r[7]:.1f} / {r[8]:.1f} | {r[4]:.1f} "
               f"| {r[5]:.1f} | {r[6]:,.0f} | {r[9]} |")
-    print("\n| image | conc | handoff/full decode first token p50 | handoff/full TTFT p50 "
+    print(f"\n| {args.media} | conc | handoff/full decode first token p50 | handoff/full TTFT p50 "
           "| TTFT p50 reduction | handoff/full request bytes | prefill's token/handoff TTFT p50 |")
     print("|---|---|---|---|---|---|---|")
     for i in range(0, len(rows), len(ARMS)):
@@ -248,10 +275,13 @@ if __name__ == "__main__":
     parser.add_argument("--skip-overhead", action="store_true",
                         help="skip the NixlConnector overhead section (CPU-specific)")
     parser.add_argument("--model-shape", default="tiny",
-                        choices=("tiny", "tiny-qwen2-vl", "llava-1.5-7b"),
-                        help="tiny: the built-in random LLaVA; tiny-qwen2-vl: the built-in "
-                             "random Qwen2-VL (M-RoPE); else a real-size shape with random "
-                             "weights (mmhandoff.models.dummy; for GPUs)")
+                        choices=("tiny", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "llava-1.5-7b",
+                                 "qwen2.5-vl-7b"),
+                        help="tiny: the built-in random LLaVA; tiny-qwen2-vl, tiny-qwen2.5-vl: "
+                             "the built-in random Qwen-VL (M-RoPE); else a real-size shape with "
+                             "random weights (mmhandoff.models.dummy; for GPUs)")
+    parser.add_argument("--media", choices=("image", "video"), default="image",
+                        help="video: two generated clips (a Qwen-VL model only)")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 4], help="comma-separated, e.g. 1,8")
     parser.add_argument("--block-size", type=int, default=32)

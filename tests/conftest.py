@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 # Nothing in the tests may reach another address: loopback only.
@@ -201,28 +200,11 @@ def chat(text: str, *uris: str) -> list:
 
 
 def make_video(width: int, height: int, frames: int, fps: float, seed: int) -> bytes:
-    """An MPEG-4 (mp4v) clip written by OpenCV: a seed-tinted gradient with a square that moves
-    a step each frame (so the frames differ), plus noise."""
-    import tempfile
+    """An MPEG-4 clip written by OpenCV (benchmarks.common.mp4): frames that differ, fixed bytes
+    per seed."""
+    from benchmarks.common import mp4
 
-    import cv2
-
-    rng = np.random.default_rng(seed)
-    tint = rng.uniform(0.3, 1.0, size=3).astype(np.float32)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    base = np.stack([(x / width) * 255, (y / height) * 255, ((x + y) / (width + height)) * 255], -1)
-    side = max(4, min(width, height) // 4)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/clip.mp4"
-        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
-        assert writer.isOpened(), "OpenCV cannot write mp4v"
-        for i in range(frames):
-            frame = base * tint + rng.normal(0, 12, size=base.shape)
-            left = i * (width - side) // max(frames - 1, 1)
-            frame[height // 3:height // 3 + side, left:left + side] = 255 * (1 - tint)
-            writer.write(np.clip(frame, 0, 255).astype(np.uint8))
-        writer.release()
-        return Path(path).read_bytes()
+    return mp4(width, height, frames, fps, seed)
 
 
 def video_chat(text: str, *parts: tuple[str, bytes]) -> list:

@@ -197,10 +197,12 @@ def video_body(*urls, **kw):
 
 CLIP = data_uri(make_video(64, 48, 8, 4.0, 70), "video/mp4")  # within every limit
 VIDEO_CASES = {
-    "video_url a bare string": (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "video_url", "video_url": CLIP}]}]}).encode(), 400, "invalid_content_part"),
-    "video_url without a url": (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "video_url", "video_url": {}}]}]}).encode(), 400, "invalid_video"),
+    "video_url a bare string": (json.dumps({"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "video_url", "video_url": CLIP}]}]}).encode(),
+        400, "invalid_content_part"),
+    "video_url without a url": (json.dumps({"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]}).encode(),
+        400, "invalid_video"),
     "not a video": (video_body(data_uri(b"hello, world", "video/mp4")), 400, "invalid_video"),
     "an image as a video": (video_body(data_uri(encode(make_image(64, 64, 71)), "video/mp4")),
                             400, "invalid_video"),

@@ -53,6 +53,30 @@ def test_an_images_key_covers_what_comes_before_its_end_and_nothing_after():
     assert image_keys(PrefillRequest(request_id="r", prompt="no chat, no images")) == []
 
 
+def test_a_video_has_its_key_as_an_image_has():
+    """One key per image or video, in prompt order; a video's key is of its bytes, and a video
+    never shares a key with an image of the same data URI body."""
+    from mmhandoff.wire.messages import (
+        ChatMessage,
+        ImagePart,
+        ImageURL,
+        TextPart,
+        VideoPart,
+        VideoURL,
+    )
+
+    def turn(*parts):
+        return _chat(ChatMessage("user", [*parts, TextPart("what happens?")]))
+
+    clip, other = VideoPart(VideoURL("data:video/mp4;base64,AAAA")), VideoPart(VideoURL(
+        "data:video/mp4;base64,BBBB"))
+    (key,) = image_keys(turn(clip))
+    assert image_keys(turn(clip)) == [key] and image_keys(turn(other)) != [key]
+    assert image_keys(turn(ImagePart(ImageURL("data:video/mp4;base64,AAAA")))) != [key]
+    both = image_keys(turn(ImagePart(ImageURL(A)), clip))
+    assert len(both) == 2 and both[0] == image_keys(turn(ImagePart(ImageURL(A))))[0]
+
+
 def test_text_parts_are_delimited_so_that_moving_a_boundary_changes_the_key():
     def key(*texts):
         parts = [TextPart(t) for t in texts]

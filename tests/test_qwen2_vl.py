@@ -476,3 +476,30 @@ def test_a_model_without_video_refuses_one_with_a_typed_error(loop, engines):
         request_id="qv-llava-image", messages=_messages([encode(make_image(64, 64, 39))]),
         sampling=greedy(4))))
     assert handoff.features.mm_hashes["image"]
+
+
+def test_a_follow_up_about_the_same_video_bypasses_prefill(loop, qwen):
+    """Prefill's bypass (docs/routing.md) for a follow-up turn about a video: the handoff names
+    no KV and carries the video's grid (and seconds) from prefill's render; decode answers from
+    its own prefix cache as agg does."""
+    from mmhandoff.wire.messages import ChatMessage
+    from tests.test_bypass_engine import BLOCK, Claims
+
+    prefill, decode, _, full_engine, *_ = qwen
+    first = video_chat("What happens in this clip, frame by frame?",
+                       ("video", make_video(96, 64, 12, 6.0, 40)))
+    follow_up = [*first, ChatMessage("assistant", "A square moves."),
+                 ChatMessage("user", "Tell me more.")]
+    s = greedy(12, ignore_eos=True)
+    loop.run(handoff_run(prefill, decode, "qv-bp-1", first, s))  # decode now holds its blocks
+    bypassing = PrefillWorker(prefill.engine, router=Claims(), bypass_max_tokens=256)
+    answer = loop.run(bypassing.prefill(PrefillRequest(request_id="qv-bp-2", messages=follow_up,
+                                                       sampling=s)))
+    handoff = decode_handoff(answer.handoff)
+    assert answer.stats.bypassed and handoff.kv_transfer_params == {}
+    ((modality, _, span, grid),) = handoff.items_with_grids()
+    assert modality == "video" and grid is not None
+    assert span.offset + span.length <= len(handoff.token_ids) // BLOCK * BLOCK
+    tokens, last = loop.run(collect(decode.generate(handoff)))
+    assert tokens == loop.run(agg_run(prefill, full_engine, "qv-bp-agg", follow_up, s))
+    assert last.stats.kv_tokens_pulled == 0 and last.stats.kv_tokens_local > 0

@@ -14,6 +14,7 @@ import msgspec
 from mmhandoff.engine import Engine
 from mmhandoff.engine.stream import stream_answer
 from mmhandoff.media.images import decode_image
+from mmhandoff.media.videos import LoadedVideo, content_hash
 from mmhandoff.wire.messages import DecodeChunk, FullMediaRequest
 
 
@@ -33,7 +34,9 @@ class FullMediaDecodeWorker:
         t0 = time.perf_counter()
         request = msgspec.msgpack.decode(message, type=FullMediaRequest)
         images = await asyncio.to_thread(lambda: [decode_image(b) for b in request.images])
-        rendered = await self.engine.render(request.prompt, images)
+        videos = await asyncio.gather(*(asyncio.to_thread(self._video, b)
+                                        for b in request.videos))
+        rendered = await self.engine.render(request.prompt, [*images, *videos])
         engine_request = self.engine.request(
             rendered, request.sampling, kv_transfer_params=dict(request.kv_transfer_params))
         prepare_ms = (time.perf_counter() - t0) * 1e3
@@ -44,6 +47,14 @@ class FullMediaDecodeWorker:
                 prepare_ms=prepare_ms, t0=t0)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    def _video(self, data: bytes) -> LoadedVideo:
+        """The video as prefill loaded it: the engine's own loader, the same identity."""
+        import base64
+
+        frames, metadata = self.engine.load_video(
+            f"data:video/mp4;base64,{base64.b64encode(data).decode()}")
+        return LoadedVideo((frames, metadata), content_hash(frames, metadata), len(data))
 
     async def warm_up(self) -> None:  # the engine's warm-up is all this arm needs
         pass

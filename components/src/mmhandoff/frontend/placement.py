@@ -3,9 +3,9 @@ prefill, with an identity of each image's (and video's) prefix that costs no dec
 
 `image_keys(request)`: one key per image or video, in prompt order. Key i hashes what the
 rendered prompt holds up to item i's end, as the client sent it: the cache salt, each message's
-role and text, and the bytes of every item up to and including item i. A chat template renders messages in
-order, so two requests with the same key i share the prompt, and so the engine's KV blocks,
-through image i. Prefill workers publish which engine blocks a key stands for
+role and text, and the bytes of every item up to and including item i. A chat template renders
+messages in order, so two requests with the same key i share the prompt, and so the engine's KV
+blocks, through item i. Prefill workers publish which engine blocks a key stands for
 (prefill.prefixes), routers keep it (router.prefix_table) and place the next request with that
 key on the prefill replica that holds them (a template that looked ahead would only make
 placement worse, never an answer wrong: a route decides where KV is computed, not what).

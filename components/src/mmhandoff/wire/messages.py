@@ -110,13 +110,15 @@ class PrefillStats(msgspec.Struct, kw_only=True):
 
 class FullMediaRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The benchmark arm "decode receives the media": the rendered prompt text and the original
-    image bytes go to decode, which decodes and re-processes them (what P/D stacks do today)."""
+    image (and video) bytes go to decode, which decodes and re-processes them (what P/D stacks
+    do today; Dynamo's vLLM P/D for video)."""
 
     request_id: str
     prompt: str
     images: list[bytes]
     kv_transfer_params: dict[str, Any]
     sampling: Sampling
+    videos: list[bytes] = []
 
 
 class TopLogprob(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
