@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -173,8 +174,9 @@ async def measure(args, mem, engines: dict) -> None:
         n, seed = args.requests, 0
         # a fresh item for every measured request: one seen before would be a prefix-cache hit
         # in prefill, and in the decode engine that served it (no KV pulled at all)
-        images = [media(size, 1000 + i)
-                  for i in range(len(ARMS) * n * len(args.concurrency) + 1)]
+        count = len(ARMS) * n * len(args.concurrency) + 1
+        with ThreadPoolExecutor(os.cpu_count()) as pool:  # encoders release the GIL
+            images = list(pool.map(lambda i: media(size, 1000 + i), range(count)))
         for conc in args.concurrency:
             for arm in ARMS:
                 await one(arm, images[-1], f"warm-{arm}-{size_name}-{conc}")  # warm-up

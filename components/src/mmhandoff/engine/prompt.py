@@ -24,11 +24,18 @@ from blake3 import blake3
 from mmhandoff.engine import Engine, PixelsNeeded, Rendered
 from mmhandoff.media.images import (
     ImageLimits,
+    ImageTooLarge,
     LoadedImage,
     data_uri_bytes,
     load_image_ref,
 )
-from mmhandoff.media.videos import InvalidVideo, LoadedVideo, VideoLimits, content_hash
+from mmhandoff.media.videos import (
+    InvalidVideo,
+    LoadedVideo,
+    VideoLimits,
+    VideoTooLarge,
+    content_hash,
+)
 from mmhandoff.wire.messages import ChatMessage, ImagePart, PrefillRequest, VideoPart, media_url
 
 
@@ -108,7 +115,11 @@ class PromptBuilder:
     def _load_video(self, ref: str) -> LoadedVideo:
         """A video (a data URI; in-process callers: a local file) as the engine samples it."""
         if ref.startswith("data:"):
-            size = len(data_uri_bytes(ref, ImageLimits(max_bytes=self.video_limits.max_bytes)))
+            try:
+                size = len(data_uri_bytes(ref, ImageLimits(max_bytes=self.video_limits.max_bytes)))
+            except ImageTooLarge:
+                raise VideoTooLarge(f"video is over the {self.video_limits.max_bytes}-byte "
+                                    "limit") from None
         else:  # a local file, for in-process callers: sent on as a data URI
             import base64
             from pathlib import Path
