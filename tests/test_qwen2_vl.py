@@ -356,8 +356,7 @@ def test_video_parity_handoff_agg(loop, qwen, qwen_model, case):
     embedded = span.length if span.is_embed is None else sum(span.is_embed)
     assert grid.t >= 2 and grid.t * grid.h * grid.w // MERGE ** 2 == embedded
     assert (grid.seconds is not None) == ("qwen2-5-vl" in Path(qwen_model).name)
-    videos = [blob for kind, blob in parts if kind == "video"]
-    assert last.stats.request_bytes < 4096 < sum(map(len, videos))  # metadata, never the video
+    assert last.stats.request_bytes < 4096  # metadata, never the video (its type holds none)
 
 
 def _video_request(request_id, blob, sampling, text="What happens?"):
