@@ -175,3 +175,23 @@ def test_renderer_threads_are_vllms_one_unless_asked_and_more_turn_the_cache_off
 def test_a_renderer_worker_count_that_is_no_count_is_refused(bad):
     with pytest.raises(ValueError, match="renderer workers"):
         EngineSpec(model="m", role="agg", renderer_workers=bad)
+
+
+def test_an_engine_whose_side_channel_port_is_taken_is_refused_before_vllm_starts():
+    """vLLM's connector binds the NIXL side channel in a thread of the engine core and, when
+    the port is taken, the engine's start waits forever (an H100 run, docs/gpu.md): the
+    start refuses such a port at once, naming it; a free port and an agg engine pass."""
+    import socket
+
+    from mmhandoff.plane.ports import free_port
+    from mmhandoff.vllm_adapter.engine import SideChannelPortInUse, check_side_channel_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spec = EngineSpec(model="m", role="decode", nixl_port=port)
+        with pytest.raises(SideChannelPortInUse, match=str(port)):
+            engine_mod.start_engine(spec)  # refused before any vLLM import or process
+        check_side_channel_port(EngineSpec(model="m", role="agg", nixl_port=port))
+    check_side_channel_port(EngineSpec(model="m", role="decode", nixl_port=free_port()))

@@ -283,15 +283,20 @@ def test_the_routers_block_hashes_are_the_engines(loop, qwen):
     """The router's hashes (vLLM's own function on the handoff's token ids and image
     identities: the grid needs no place in them) equal what prefill's and decode's engines
     published for the prompt, bit for bit."""
+    _check_published_hashes(loop, qwen, "q-hashes",
+                            _messages([encode(make_image(400, 600, 27))], "Hash me."))
+
+
+def _check_published_hashes(loop, qwen, request_id, messages):
+    """The handoff's prompt's block hashes, as BlockHasher computes them from the handoff, equal
+    the chains prefill's and decode's engines published in their KV events."""
     import time
 
     from mmhandoff.vllm_adapter.block_hashes import BlockHasher
     from tests.flows import published_chain
 
     prefill, decode, _, _, prefill_events, decode_events = qwen
-    _, _, h = loop.run(handoff_run(
-        prefill, decode, "q-hashes", _messages([encode(make_image(400, 600, 27))], "Hash me."),
-        greedy(4)))
+    _, _, h = loop.run(handoff_run(prefill, decode, request_id, messages, greedy(4)))
     assert len(h.token_ids) >= 64
     deadline = time.monotonic() + 10
     while None in (published_chain(prefill_events, h.token_ids),
@@ -441,24 +446,9 @@ def test_a_video_sent_again_goes_by_its_hash_and_keeps_its_grid(loop, qwen):
 def test_a_video_prompts_block_hashes_are_the_engines(loop, qwen):
     """The router's hashes of a prompt with a video (its identity in every block it spans)
     equal what prefill's and decode's engines published."""
-    import time
-
-    from mmhandoff.vllm_adapter.block_hashes import BlockHasher
-    from tests.flows import published_chain
-
-    prefill, decode, _, _, prefill_events, decode_events = qwen
-    request = _video_request("qv-hashes", make_video(128, 96, 32, 8.0, 37), greedy(4),
-                             "Hash this clip, frame by frame, with its text.")
-    _, _, h = loop.run(handoff_run(prefill, decode, "qv-hashes", request.messages, greedy(4)))
-    assert len(h.token_ids) >= 64
-    deadline = time.monotonic() + 10
-    while None in (published_chain(prefill_events, h.token_ids),
-                   published_chain(decode_events, h.token_ids)):
-        assert time.monotonic() < deadline, "an engine published no KV events for the prompt"
-        time.sleep(0.05)
-    published = published_chain(prefill_events, h.token_ids)
-    assert BlockHasher(32).of_handoff(h) == published
-    assert published_chain(decode_events, h.token_ids) == published
+    _check_published_hashes(loop, qwen, "qv-hashes", video_chat(
+        "Hash this clip, frame by frame, with its text.",
+        ("video", make_video(128, 96, 32, 8.0, 37))))
 
 
 def test_a_model_without_video_refuses_one_with_a_typed_error(loop, engines):

@@ -16,8 +16,10 @@ binding, KV cache size and NIXL side-channel port are set per engine around its 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
@@ -291,6 +293,7 @@ def start_engine(spec: EngineSpec, load=None):
     """Start the engine for `spec` (blocks until its core is up, ~25 s for the tiny model on
     CPU): a VllmEngine, the mmhandoff.engine.Engine the workers use. `load`, an EngineLoad, is
     kept up to date with the engine's scheduler stats."""
+    check_side_channel_port(spec)
     from mmhandoff.vllm_adapter.vllm_engine import VllmEngine
 
     # vLLM's ZMQ sockets between the engine and its core are files in VLLM_RPC_BASE_PATH (the
@@ -303,6 +306,33 @@ def start_engine(spec: EngineSpec, load=None):
     except BaseException:
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise
+
+
+class SideChannelPortInUse(OSError):
+    """Another process listens on the engine's NIXL side-channel port."""
+
+
+def check_side_channel_port(spec: EngineSpec) -> None:
+    """Refuse to start an engine whose NIXL side-channel port is taken: vLLM's connector fails
+    to bind it in a thread of the engine core, and the engine's start then waits forever
+    instead of failing (seen on an H100: two engines left at vLLM's default port 5600)."""
+    if spec.role == "agg":  # no connector, no side channel
+        return
+    port = spec.nixl_port
+    if port is None:
+        port = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))  # vLLM's default
+    family = socket.AF_INET6 if ":" in spec.nixl_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
+        try:
+            probe.bind((spec.nixl_host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # (an address not on this host: vLLM's own bind decides)
+            raise SideChannelPortInUse(
+                e.errno, f"the {spec.role} engine's NIXL side-channel port {port} on "
+                f"{spec.nixl_host} is in use (another engine?): give each engine its own "
+                "port (EngineSpec.nixl_port; serve allocates them)") from None
 
 
 def start_llm(spec: EngineSpec, load=None, ipc_dir: str | None = None):

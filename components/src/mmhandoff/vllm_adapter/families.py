@@ -15,7 +15,7 @@ for decode to place the image tokens without the media:
 A model not in the table is served as a 1-D RoPE model taking images (and video, if its config
 names a video token); an M-RoPE model not in the table is refused by decode (it would need more
 of the media than travels). Adding a family: a row here, a tiny model of its layout in models/,
-and its parity tests (tests/test_qwen2_vl.py and tests/test_video.py are the shape to
+and its parity tests (tests/test_qwen2_vl.py, images and videos, is the shape to
 follow)."""
 
 from __future__ import annotations
