@@ -74,8 +74,9 @@ CONTAINERS = ("mp4", "matroska", "avi")
 
 def probe_video(data: bytes) -> VideoInfo:
     """The container's frame size, frame count and rate, no frame decoded; InvalidVideo when
-    it is not a video OpenCV can read. Only the containers above reach OpenCV: FFmpeg guesses
-    a format for anything else, and an image given to it as a stream crashed the process."""
+    it is not a video OpenCV can read. Only the containers above reach OpenCV: for anything
+    else FFmpeg would guess a format among all it knows (images, playlists, ...), a surface
+    client bytes need not reach."""
     import cv2
 
     if container(data) is None:
