@@ -91,7 +91,9 @@ async def measure(args, mem, engines: dict) -> None:
     else:  # a real-size shape with random weights; GPU: each engine gets a share of it
         model = str(ensure_dummy_model(args.model_shape))
         common = dict(model=model, dtype="bfloat16", extra={"load_format": "dummy"},
-                      gpu_memory_utilization=None if on_cpu() else args.gpu_memory_utilization)
+                      gpu_memory_utilization=None if on_cpu() else args.gpu_memory_utilization,
+                      enforce_eager=args.enforce_eager or None,
+                      max_model_len=args.max_model_len)
         cores = {}
     common.update(block_size=args.block_size, cuda_ipc_get=args.cuda_ipc_get != "off",
                   kv_blocks_across_layers=args.kv_blocks_across_layers == "on")
@@ -282,6 +284,11 @@ if __name__ == "__main__":
                         help="tiny: the built-in random LLaVA; tiny-qwen2-vl, tiny-qwen2.5-vl: "
                              "the built-in random Qwen-VL (M-RoPE); else a real-size shape with "
                              "random weights (mmhandoff.models.dummy; for GPUs)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="a real-size shape: no CUDA graphs or compilation (each engine up "
+                             "in ~25 s on an H100 instead of minutes: docs/benchmarks.md)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="a real-size shape: the engines' context (default: the model's)")
     parser.add_argument("--media", choices=("image", "video"), default="image",
                         help="video: two generated clips (a Qwen-VL model only)")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
