@@ -235,6 +235,7 @@ def test_bad_video_input_gets_its_4xx_and_reaches_no_worker(server, backends, ca
     got_status, got = post(server, body)
     assert (got_status, got["error"]["code"]) == (status, code), got
     assert got["error"]["message"] and got["error"]["type"] == "invalid_request_error"
+    assert "image url" not in got["error"]["message"].lower()  # a video's speaks of a video
     assert [b.calls for b in backends] == [0, 0]
 
 

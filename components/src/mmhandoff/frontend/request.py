@@ -93,7 +93,8 @@ class RequestReader:
         self.fetcher = ImageFetcher(replace(self.fetch_policy,
                                             max_bytes=self.limits.max_image_bytes))
         self.video_fetcher = ImageFetcher(replace(self.fetch_policy,
-                                                  max_bytes=self.limits.video.max_bytes))
+                                                  max_bytes=self.limits.video.max_bytes),
+                                          what="video")
 
     # ---- the two request kinds ----------------------------------------------------------------
     async def chat(self, body: Any) -> PrefillRequest:

@@ -89,8 +89,8 @@ def address_allowed(address: str, policy: FetchPolicy) -> bool:
 class _GuardedResolver(AbstractResolver):
     """Resolves like the system resolver, then drops every address the policy refuses."""
 
-    def __init__(self, policy: FetchPolicy) -> None:
-        self.policy = policy
+    def __init__(self, policy: FetchPolicy, what: str = "image") -> None:
+        self.policy, self.what = policy, what
 
     async def resolve(self, host: str, port: int = 0,
                       family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
@@ -101,9 +101,9 @@ class _GuardedResolver(AbstractResolver):
             raise ImageFetchFailed(f"cannot resolve {host!r}: {e.strerror}") from None
         refused = [i[4][0] for i in infos if not address_allowed(i[4][0], self.policy)]
         if refused:  # one bad address refuses the name: we do not pick around it
-            raise ImageUrlForbidden(f"image URL host {host!r} resolves to {refused[0]}, which is "
-                                    "not a public address (allowed only through the frontend's "
-                                    "allow_image_networks)")
+            raise ImageUrlForbidden(f"{self.what} URL host {host!r} resolves to {refused[0]}, "
+                                    "which is not a public address (allowed only through the "
+                                    "frontend's allow_image_networks)")
         return [ResolveResult(hostname=host, host=i[4][0], port=i[4][1], family=i[0],
                               proto=i[2], flags=socket.AI_NUMERICHOST) for i in infos]
 
@@ -121,12 +121,14 @@ class ByteBudget:
     def take(self, n: int) -> None:
         self.used += n
         if self.used > self.limit:
-            raise ImageTooLarge(f"the request's image URLs are over {self.limit} bytes together")
+            raise ImageTooLarge(f"the request's image and video URLs are over {self.limit} bytes "
+                                "together")
 
 
 @dataclass
 class ImageFetcher:
     policy: FetchPolicy = field(default_factory=FetchPolicy)
+    what: str = "image"  # what the URLs are of, as the messages name it ("video": video_url)
 
     async def fetch(self, url: str, budget: ByteBudget | None = None) -> bytes:
         try:
@@ -137,7 +139,7 @@ class ImageFetcher:
                 f"fetching {url!r} took over {self.policy.timeout_s:g} s") from None
 
     async def _fetch(self, url: str, budget: ByteBudget) -> bytes:
-        connector = aiohttp.TCPConnector(resolver=_GuardedResolver(self.policy),
+        connector = aiohttp.TCPConnector(resolver=_GuardedResolver(self.policy, self.what),
                                          use_dns_cache=False)
         async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
             for _ in range(self.policy.max_redirects + 1):
@@ -163,13 +165,14 @@ class ImageFetcher:
         except ValueError:
             raise ImageFetchFailed(f"not a URL: {url[:100]!r}") from None
         if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ImageUrlForbidden(f"image URLs must be http(s) with a host, got {url[:100]!r}")
+            raise ImageUrlForbidden(f"{self.what} URLs must be http(s) with a host, got "
+                                    f"{url[:100]!r}")
         try:  # a literal address skips the resolver, so it is checked here
             literal = ipaddress.ip_address(parsed.host.strip("[]"))
         except ValueError:
             return
         if not address_allowed(str(literal), self.policy):
-            raise ImageUrlForbidden(f"image URL address {literal} is not a public address "
+            raise ImageUrlForbidden(f"{self.what} URL address {literal} is not a public address "
                                     "(allowed only through the frontend's allow_image_networks)")
 
     async def _read(self, url: str, response: aiohttp.ClientResponse,

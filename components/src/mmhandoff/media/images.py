@@ -115,11 +115,11 @@ def _base64(body: str) -> tuple[bytes, int]:
     try:
         raw = body.encode("ascii")
     except UnicodeEncodeError:
-        raise InvalidBase64("image data URI holds invalid base64") from None
+        raise InvalidBase64("the data URI holds invalid base64") from None
     data = raw.rstrip(b"=")
     padding = len(raw) - len(data)
     if len(raw) % 4 or padding > 2 or data.translate(None, BASE64_ALPHABET):
-        raise InvalidBase64("image data URI holds invalid base64")
+        raise InvalidBase64("the data URI holds invalid base64")
     return raw, padding
 
 
@@ -132,13 +132,13 @@ def data_uri_bytes(ref: str, limits: ImageLimits = ImageLimits()) -> bytes:
     try:
         raw = memoryview(ref.encode("ascii"))[body_at:]
     except UnicodeEncodeError:
-        raise InvalidBase64("image data URI holds invalid base64") from None
+        raise InvalidBase64("the data URI holds invalid base64") from None
     if len(raw) % 4 or raw[-3:] == b"===":
-        raise InvalidBase64("image data URI holds invalid base64")
+        raise InvalidBase64("the data URI holds invalid base64")
     try:
         data = binascii.a2b_base64(raw, strict_mode=True)
     except (binascii.Error, ValueError):
-        raise InvalidBase64("image data URI holds invalid base64") from None
+        raise InvalidBase64("the data URI holds invalid base64") from None
     if len(data) > limits.max_bytes:
         raise ImageTooLarge(f"image is {len(data)} bytes; the limit is {limits.max_bytes}")
     return data
