@@ -312,21 +312,31 @@ def test_a_follow_up_bypass_takes_its_positions_from_the_grids(loop, qwen):
     """Prefill's bypass (docs/routing.md) for an M-RoPE model: the follow-up's handoff names no
     KV and carries each image's grid from prefill's render (no vision encoder run); decode
     computes every position from it and answers from its own prefix cache as agg does."""
-    from tests.test_bypass_engine import BLOCK, Claims, _conversation
+    from tests.test_bypass_engine import _conversation
+
+    first, follow_up = _conversation(64)
+    _check_bypass(loop, qwen, "q-bp", first, follow_up, "image")
+
+
+def _check_bypass(loop, qwen, request_id, first, follow_up, modality):
+    """`first` through the handoff (decode then holds its blocks), then `follow_up` through
+    prefill's bypass: no KV named, the item's grid carried, decode's answer from its own cache
+    equal to agg's."""
+    from tests.test_bypass_engine import BLOCK, Claims
 
     prefill, decode, _, full_engine, *_ = qwen
-    first, follow_up = _conversation(64)
     s = greedy(12, ignore_eos=True)
-    loop.run(handoff_run(prefill, decode, "q-bp-1", first, s))  # decode now holds its blocks
+    loop.run(handoff_run(prefill, decode, f"{request_id}-1", first, s))
     bypassing = PrefillWorker(prefill.engine, router=Claims(), bypass_max_tokens=256)
-    answer = loop.run(bypassing.prefill(PrefillRequest(request_id="q-bp-2", messages=follow_up,
-                                                       sampling=s)))
+    answer = loop.run(bypassing.prefill(PrefillRequest(
+        request_id=f"{request_id}-2", messages=follow_up, sampling=s)))
     handoff = decode_handoff(answer.handoff)
     assert answer.stats.bypassed and handoff.kv_transfer_params == {}
-    ((_, _, span, grid),) = handoff.items_with_grids()
-    assert grid is not None and span.offset + span.length <= len(handoff.token_ids) // BLOCK * BLOCK
+    ((kind, _, span, grid),) = handoff.items_with_grids()
+    assert kind == modality and grid is not None
+    assert span.offset + span.length <= len(handoff.token_ids) // BLOCK * BLOCK
     tokens, last = loop.run(collect(decode.generate(handoff)))
-    assert tokens == loop.run(agg_run(prefill, full_engine, "q-bp-agg", follow_up, s))
+    assert tokens == loop.run(agg_run(prefill, full_engine, f"{request_id}-agg", follow_up, s))
     assert last.stats.kv_tokens_pulled == 0 and last.stats.kv_tokens_local > 0
 
 
@@ -472,23 +482,9 @@ def test_a_follow_up_about_the_same_video_bypasses_prefill(loop, qwen):
     no KV and carries the video's grid (and seconds) from prefill's render; decode answers from
     its own prefix cache as agg does."""
     from mmhandoff.wire.messages import ChatMessage
-    from tests.test_bypass_engine import BLOCK, Claims
 
-    prefill, decode, _, full_engine, *_ = qwen
     first = video_chat("What happens in this clip, frame by frame?",
                        ("video", make_video(96, 64, 12, 6.0, 40)))
     follow_up = [*first, ChatMessage("assistant", "A square moves."),
                  ChatMessage("user", "Tell me more.")]
-    s = greedy(12, ignore_eos=True)
-    loop.run(handoff_run(prefill, decode, "qv-bp-1", first, s))  # decode now holds its blocks
-    bypassing = PrefillWorker(prefill.engine, router=Claims(), bypass_max_tokens=256)
-    answer = loop.run(bypassing.prefill(PrefillRequest(request_id="qv-bp-2", messages=follow_up,
-                                                       sampling=s)))
-    handoff = decode_handoff(answer.handoff)
-    assert answer.stats.bypassed and handoff.kv_transfer_params == {}
-    ((modality, _, span, grid),) = handoff.items_with_grids()
-    assert modality == "video" and grid is not None
-    assert span.offset + span.length <= len(handoff.token_ids) // BLOCK * BLOCK
-    tokens, last = loop.run(collect(decode.generate(handoff)))
-    assert tokens == loop.run(agg_run(prefill, full_engine, "qv-bp-agg", follow_up, s))
-    assert last.stats.kv_tokens_pulled == 0 and last.stats.kv_tokens_local > 0
+    _check_bypass(loop, qwen, "qv-bp", first, follow_up, "video")
