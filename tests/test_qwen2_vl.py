@@ -470,7 +470,7 @@ def test_a_model_without_video_refuses_one_with_a_typed_error(loop, engines):
     request = _video_request("qv-llava", make_video(64, 48, 8, 4.0, 38), greedy(4))
     with pytest.raises(ERRORS) as e:
         loop.run(llava.handoff(request))
-    assert e.value.fault == "client", e.value
+    assert e.value.fault == "client" and e.value.code == "invalid_request", e.value
     handoff, _ = loop.run(llava.handoff(PrefillRequest(
         request_id="qv-llava-image", messages=_messages([encode(make_image(64, 64, 39))]),
         sampling=greedy(4))))
