@@ -14,8 +14,10 @@ the decode's. Videos go the same way."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -121,9 +123,6 @@ class PromptBuilder:
                 raise VideoTooLarge(f"video is over the {self.video_limits.max_bytes}-byte "
                                     "limit") from None
         else:  # a local file, for in-process callers: sent on as a data URI
-            import base64
-            from pathlib import Path
-
             path = Path(ref[len("file://"):] if ref.startswith("file://") else ref)
             try:
                 data = path.read_bytes()
