@@ -5,7 +5,9 @@
 
 starts the roles one after another, as test_gpu_qwen.py's fixture does, and prints the seconds
 each took to be ready (or the error); with WATCHDOG_S, device.sh writes every process's Python
-stacks when the start is still going after that long."""
+stacks when the start is still going after that long. A third argument, JSON, adds engine
+arguments; its `enforce_eager` and `max_model_len` replace the eager 16,384 this script starts
+with (null: the platform's defaults, i.e. CUDA graphs and the model's length on a GPU)."""
 
 from __future__ import annotations
 
@@ -19,13 +21,15 @@ async def main(shape: str, roles: str, extra: dict) -> None:
     from mmhandoff.models.dummy import ensure_dummy_model
     from mmhandoff.vllm_adapter import EngineSpec, start_engine
 
+    settings = {"enforce_eager": True, "max_model_len": 16384}
+    settings.update({k: extra.pop(k) for k in list(settings) if k in extra})
     engines = []
     for role in roles.split(","):
         t0 = time.perf_counter()
         spec = EngineSpec(model=str(ensure_dummy_model(shape)), role=role, dtype="bfloat16",
                           nixl_port=5600 + len(engines),  # each its own side channel
-                          enforce_eager=True, extra={"load_format": "dummy", **extra},
-                          gpu_memory_utilization=0.28, max_model_len=16384)
+                          extra={"load_format": "dummy", **extra},
+                          gpu_memory_utilization=0.28, **settings)
         engines.append(start_engine(spec))
         print(f"[engine_start] {shape} {role}: ready in {time.perf_counter() - t0:.1f} s",
               flush=True)
