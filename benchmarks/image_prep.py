@@ -4,22 +4,26 @@ with the model's own image processor (LLaVA-1.5-7B's: CLIP at 336 px).
 
     python benchmarks/image_prep.py [--reps 5] [--sizes 640x480,4K,12MP] [--formats JPEG,PNG]
 
-Steps, in the order a request takes them today (media.images, engine.prompt, vLLM's renderer):
+Steps, in the order a request takes them (media.images, engine.prompt, vLLM's renderer):
 - base64: the data URI's body checked and decoded (`data_uri_bytes`);
 - decode: PIL's full decode to RGB (`decode_rgb`);
-- hash: the image's identity, BLAKE3 (all cores) over its RGB pixels (`content_hash`; SHA-256
-  until 2026-12-06);
-- process: the model's image processor on the decoded image, as vLLM calls it (the torchvision
-  backend transformers picks by default): resize, crop, rescale, normalise, to a tensor.
+- hash: the image's identity, BLAKE3 (all cores) over its RGB pixels (`content_hash`);
+- process: the model's image processor on the decoded image, on torch's threads as vLLM's
+  renderer sets them for it (OMP_NUM_THREADS, else one): `--torch-threads`, the first count is
+  the one the total uses; each other count gets a column, and "threads diff" is the max abs
+  difference of the model's input between them (0: the same input).
 Beside them, candidates that would do the same work faster, each timed the same way:
-- sha256 over the same pixels (the identity's hash function before: the same contract);
+- the array path: the decoded image turned into one (height, width, 3) array (`np.array`), the
+  identity hashed over it (the same value: the same bytes) and the processor given the array
+  instead of the PIL image, which it would otherwise turn into bytes itself ("array path" is
+  the three together; "diff": its model input against the default's);
+- sha256 over the same pixels (the identity's hash function until 2026-12-06);
 - blake3 over the compressed bytes (a different contract: the same picture sent as JPEG and as
   PNG would get two identities);
-- the PIL backend of the same processor, and a JPEG decoded at a reduced scale (PIL's `draft`:
-  the DCT's own downscaling to no less than twice the processor's input) then processed: both
-  change the model's input, by the max abs difference printed against the default path.
-Each figure is the median of `--reps` runs in this one process; the shares are of the default
-path's total (base64 + decode + hash + process). CPU work only: run it where the frontend's and
+- a JPEG decoded at a reduced scale (PIL's `draft`: the DCT's own downscaling to no less than
+  twice the processor's input) then processed: it changes the model's input, by the max abs
+  difference printed.
+Each figure is the median of `--reps` runs in this one process. CPU work only: run it where
 prefill's processes run.
 """
 
@@ -64,75 +68,103 @@ def encoded(size: tuple[int, int], fmt: str, seed: int) -> bytes:
 
 
 def processor():
+    from PIL import Image
     from transformers import AutoImageProcessor
 
     from mmhandoff.models.dummy import ensure_dummy_model
 
-    from PIL import Image
-
-    path = ensure_dummy_model("llava-1.5-7b")
-    procs = (AutoImageProcessor.from_pretrained(path),
-             AutoImageProcessor.from_pretrained(path, backend="pil"))
-    warm = Image.new("RGB", (640, 480))
-    for proc in procs:  # a processor's first call pays one-time costs (torch's, the backend's)
-        proc(images=warm, return_tensors="pt")
-    return procs
+    proc = AutoImageProcessor.from_pretrained(ensure_dummy_model("llava-1.5-7b"))
+    proc(images=Image.new("RGB", (640, 480)), return_tensors="pt")  # one-time costs
+    return proc
 
 
-def one(name: str, data: bytes, fmt: str, procs, reps: int) -> dict:
+def on_threads(n: int, fn):
+    def call():
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(before)
+    return call
+
+
+def array_hash(pixels) -> str:
+    """content_hash's value, read from the array instead of PIL's bytes."""
+    from blake3 import blake3
+
+    from mmhandoff.media.images import HASH_DOMAIN
+
+    h = blake3(HASH_DOMAIN, max_threads=blake3.AUTO)
+    h.update(f"{pixels.shape[1]}x{pixels.shape[0]}\0".encode())
+    h.update(memoryview(pixels))
+    return h.hexdigest()
+
+
+def one(name: str, data: bytes, fmt: str, proc, threads: list[int], reps: int) -> dict:
     import blake3
+    import numpy as np
     from PIL import Image
 
     from mmhandoff.media.images import content_hash, data_uri_bytes, decode_rgb
 
-    default, pil = procs
     uri = f"data:image/{fmt.lower()};base64," + base64.b64encode(data).decode()
     row = {"image": name, "format": fmt, "bytes": len(data)}
     row["base64"], raw = timed(lambda: data_uri_bytes(uri), reps)
     row["decode"], image = timed(lambda: decode_rgb(raw), reps)
-    row["hash"], _ = timed(lambda: content_hash(image), reps)
-    row["process"], ref = timed(lambda: default(images=image, return_tensors="pt"), reps)
+    row["hash"], identity = timed(lambda: content_hash(image), reps)
+    outputs = []
+    for n in threads:
+        row[f"process@{n}"], out = timed(
+            on_threads(n, lambda: proc(images=image, return_tensors="pt")), reps)
+        outputs.append(out["pixel_values"])
+    row["process"] = row[f"process@{threads[0]}"]
+    ref_pixels = outputs[0]
+    row["threads diff"] = max(float((o - ref_pixels).abs().max()) for o in outputs)
+
+    def array_path():
+        pixels = np.array(image)
+        assert array_hash(pixels) == identity
+        return proc(images=pixels, return_tensors="pt")
+    row["array path"], out = timed(on_threads(threads[0], array_path), reps)
+    row["diff"] = float((out["pixel_values"] - ref_pixels).abs().max())
     row["sha256 pixels"], _ = timed(lambda: hashlib.sha256(image.tobytes()).hexdigest(), reps)
     row["blake3 bytes"], _ = timed(
         lambda: blake3.blake3(raw, max_threads=blake3.blake3.AUTO).hexdigest(), reps)
-    row["process (PIL)"], alt = timed(lambda: pil(images=image, return_tensors="pt"), reps)
-    ref_pixels = ref["pixel_values"]
-    row["PIL diff"] = float((alt["pixel_values"] - ref_pixels).abs().max())
     if fmt == "JPEG":
-        side = 2 * default.crop_size["height"]
+        side = 2 * proc.crop_size["height"]
 
         def drafted():
             img = Image.open(io.BytesIO(raw))
             img.draft("RGB", (side, side))  # the DCT scales by 1/2, 1/4 or 1/8, never below
-            return default(images=img.convert("RGB"), return_tensors="pt")
-        row["draft decode + process"], small = timed(drafted, reps)
+            return proc(images=img.convert("RGB"), return_tensors="pt")
+        row["draft decode + process"], small = timed(on_threads(threads[0], drafted), reps)
         row["draft diff"] = float((small["pixel_values"] - ref_pixels).abs().max())
     row["total"] = row["base64"] + row["decode"] + row["hash"] + row["process"]
     return row
 
 
-def report(rows: list[dict]) -> None:
-    print("\nms per image, median; share of the default path's total in brackets\n")
-    print("| image | bytes | base64 | decode | hash (blake3) | process | total | sha256 pixels "
-          "| blake3 bytes | process (PIL) / max diff | draft decode + process / max diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+def report(rows: list[dict], threads: list[int]) -> None:
+    more = "".join(f" process @{n} |" for n in threads[1:])
+    print(f"\nms per image, median; process on {threads[0]} torch thread(s); share of the total "
+          "in brackets\n")
+    print("| image | bytes | base64 | decode | hash | process |" + more + " total | "
+          "threads diff | array path (vs hash + process) / diff | sha256 pixels | "
+          "blake3 bytes | draft decode + process / max diff |")
+    print("|---" * (12 + len(threads) - 1) + "|")
     for r in rows:
         def share(k):
             return f"{r[k]:.1f} ({r[k] / r['total']:.0%})"
         draft = (f"{r['draft decode + process']:.1f} / {r['draft diff']:.3f}"
                  if "draft diff" in r else "-")
+        others = "".join(f" {r[f'process@{n}']:.1f} |" for n in threads[1:])
         print(f"| {r['image']} {r['format']} | {r['bytes']:,} | {share('base64')} | "
-              f"{share('decode')} | {share('hash')} | {share('process')} | {r['total']:.1f} | "
-              f"{r['sha256 pixels']:.1f} | {r['blake3 bytes']:.1f} | "
-              f"{r['process (PIL)']:.1f} / {r['PIL diff']:.3f} | {draft} |")
-    print("\nratios (candidate / today's step):")
-    for r in rows:
-        line = (f"  {r['image']} {r['format']}: hash (blake3) / sha256 pixels "
-                f"{r['hash'] / r['sha256 pixels']:.2f}")
-        if "draft diff" in r:
-            line += (f", draft decode + process / (decode + process) "
-                     f"{r['draft decode + process'] / (r['decode'] + r['process']):.2f}")
-        print(line)
+              f"{share('decode')} | {share('hash')} | {share('process')} |{others} "
+              f"{r['total']:.1f} | {r['threads diff']:.3f} | {r['array path']:.1f} "
+              f"({r['hash'] + r['process']:.1f}) / {r['diff']:.3f} | "
+              f"{r['sha256 pixels']:.1f} | {r['blake3 bytes']:.1f} | {draft} |")
 
 
 def main(argv=None) -> int:
@@ -140,18 +172,23 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--sizes", default=",".join(SIZES))
     p.add_argument("--formats", default="JPEG,PNG")
+    p.add_argument("--torch-threads", default="1,8",
+                   help="torch thread counts the processor runs on, one column each (vLLM's "
+                        "renderer: OMP_NUM_THREADS, else 1)")
     args = p.parse_args(argv)
+    threads = [int(n) for n in args.torch_threads.split(",")]
     sizes = args.sizes.split(",")
     unknown = set(sizes) - set(SIZES)
     if unknown:
         p.error(f"unknown sizes {sorted(unknown)}; known: {', '.join(SIZES)}")
-    procs = processor()
+    proc = processor()
     rows = []
     for i, name in enumerate(sizes):
         for fmt in args.formats.split(","):
             print(f"[image_prep] {name} {fmt} ...", file=sys.stderr, flush=True)
-            rows.append(one(name, encoded(SIZES[name], fmt, 9000 + i), fmt, procs, args.reps))
-    report(rows)
+            rows.append(one(name, encoded(SIZES[name], fmt, 9000 + i), fmt, proc, threads,
+                            args.reps))
+    report(rows, threads)
     return 0
 
 

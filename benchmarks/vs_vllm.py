@@ -268,7 +268,7 @@ def stop_profilers(procs: list) -> None:
 
 
 async def run_arm(arm: str, model: str, pool: dict, log_dir: Path,
-                  profile: Path | None = None, profiled=PROFILED) -> dict:
+                  profile: Path | None = None, profiled=PROFILED, sizes=tuple(SIZES)) -> dict:
     import aiohttp
 
     print(f"[vs_vllm] {arm}: starting", flush=True)
@@ -281,16 +281,19 @@ async def run_arm(arm: str, model: str, pool: dict, log_dir: Path,
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                          connector=aiohttp.TCPConnector(force_close=True)
                                          ) as session:
-            for size in SIZES:  # warm-up: the first requests of a fresh engine are slow
+            for size in sizes:  # warm-up: the first requests of a fresh engine are slow
                 await cell(session, arm, servers, pool[size][:4], 4)
             used = {size: 4 for size in SIZES}
             again = None
             for size, conc, n in CELLS:
+                if size not in sizes:
+                    continue
                 uris = pool[size][used[size]:used[size] + n]
                 used[size] += n
                 again = uris if (size, conc) == ("12MP", 1) else again
                 out["cells"][f"{size} C{conc}"] = await cell(session, arm, servers, uris, conc)
-            out["cells"][AGAIN] = await cell(session, arm, servers, again, 1)
+            if again is not None:
+                out["cells"][AGAIN] = await cell(session, arm, servers, again, 1)
             for name, result in out["cells"].items():
                 print(f"[vs_vllm] {arm} {name}: " + ", ".join(
                     f"{k} {v:.1f}" for k, v in result.items()), flush=True)
@@ -343,6 +346,15 @@ def report(results: dict) -> None:
             line.append("agg-parallel/agg TTFT p50 "
                         f"{ratio('agg-parallel', 'agg', c, 'ttft_p50_ms'):.2f}")
         print(" ".join(line))
+    # issue 37: how a 12 MP request's TTFT holds up with 8 in flight, per arm
+    c1, c8 = "12MP C1", "12MP C8"
+    scaling = []
+    for arm in arms:
+        r = results[arm]["cells"]
+        if {c1, c8} <= set(r):
+            scaling.append(f"{arm} {r[c8]['ttft_p50_ms'] / r[c1]['ttft_p50_ms']:.2f}")
+    if scaling:
+        print("12MP TTFT p50 C8 / C1 (<= 1.3): " + ", ".join(scaling))
 
 
 def main(argv=None) -> int:
@@ -358,6 +370,8 @@ def main(argv=None) -> int:
                              "(default %(default)s)")
     parser.add_argument("--report", nargs="+", metavar="JSON",
                         help="print the tables of earlier runs' results, merged")
+    parser.add_argument("--sizes", default=",".join(SIZES),
+                        help=f"the cells of these image sizes only (of {', '.join(SIZES)})")
     args = parser.parse_args(argv)
     if args.report:
         merged = {}
@@ -366,6 +380,10 @@ def main(argv=None) -> int:
         report(merged)
         return 0
     arms = args.arms.split(",")
+    sizes = tuple(args.sizes.split(","))
+    if set(sizes) - set(SIZES):
+        parser.error(f"--sizes: unknown {sorted(set(sizes) - set(SIZES))}; known: "
+                     f"{', '.join(SIZES)}")
     size, conc, n = args.profile_cell.split(",")
     if size not in SIZES:
         parser.error(f"--profile-cell: unknown size {size}; known: {', '.join(SIZES)}")
@@ -392,7 +410,7 @@ def main(argv=None) -> int:
     # stopped from outside (a `timeout`): each arm's finally stops its servers, which run in
     # sessions of their own and would otherwise keep the GPU for whatever runs next
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    results = {arm: asyncio.run(run_arm(arm, model, pool, log_dir, profile, profiled))
+    results = {arm: asyncio.run(run_arm(arm, model, pool, log_dir, profile, profiled, sizes))
                for arm in arms}
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -1,15 +1,18 @@
 import base64
 
 import pytest
+from blake3 import blake3
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mmhandoff.media.images import (
     HEAD_BYTES,
     ImageError,
+    HASH_DOMAIN,
     ImageLimits,
     ImageTooLarge,
     InvalidBase64,
+    content_hash,
     data_uri_bytes,
     decode_image,
     load_image_ref,
@@ -30,6 +33,14 @@ def test_identity_is_the_pixels_not_the_container(tmp_path):
               load_image_ref(f"file://{path}").content_hash}
     assert len(hashes) == 1
     assert decode_image(encode(make_image(64, 48, 2))).content_hash not in hashes
+
+
+def test_the_identity_is_blake3_of_the_size_and_the_rgb_bytes():
+    """The contract replicas of one version share (media.images): a change of it needs a new
+    HASH_DOMAIN, or two versions would give one identity to different inputs."""
+    image = make_image(640, 480, seed=7)
+    expected = blake3(HASH_DOMAIN + b"640x480\0" + image.tobytes()).hexdigest()
+    assert content_hash(image) == decode_image(encode(image, "PNG")).content_hash == expected
 
 
 @pytest.mark.parametrize("ref, error", [
