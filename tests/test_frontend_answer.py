@@ -177,13 +177,60 @@ def test_a_malformed_message_between_components_is_our_500(loop, prefill_item, d
 
 
 def test_a_decode_lost_before_its_first_token_is_retried_then_answered(loop):
+    """...and the lost call's handoff goes to decode once more, on its own, so that prefill's
+    blocks for it are freed now (the claim decides which decode reads them: issue 35)."""
     prefill = Scripted([handoff_answer("a")], [handoff_answer("b")])
     decode = Scripted([LOST], ANSWER)
     status, got = ask(loop, prefill, decode)
     assert status == 200 and got["choices"][0]["message"]["content"] == "Hello"
     assert got["mmhandoff"]["retries"] == 1 and len(prefill.requests) == 2
+    for _ in range(100):  # the hand-over runs in the background
+        if len(decode.requests) == 3:
+            break
+        loop.run(asyncio.sleep(0.01))
+    handoffs = [r["handoff"] for r in decode.requests]
+    a, b = handoff_answer("a")["handoff"], handoff_answer("b")["handoff"]
+    assert sorted(handoffs) == sorted([a, a, b])
 
 
+@pytest.mark.parametrize("scripts, calls, warned", [
+    ([[LOST], [LOST], ANSWER], 3, False),  # lost twice on the way, then a decode takes it
+    ([[LOST]], 3, True),  # lost every time: the lease frees the blocks; said in the log
+    ([[envelope("replayed", "client")]], 1, False),  # a decode claimed it first: its pull frees
+], ids=["lost-then-taken", "lost", "claimed-first"])
+def test_handing_a_handoff_over_tries_again_when_the_call_is_lost(loop, mmhandoff_log, scripts,
+                                                                  calls, warned):
+    decode = Scripted(*scripts)
+    frontend = Frontend(Scripted(), decode, MODEL)
+    answer = msgspec.convert(handoff_answer("a"), PrefillAnswer)
+    loop.run(frontend.journey._hand_over(answer))
+    assert len(decode.requests) == calls
+    assert ("releasing an abandoned handoff failed" in mmhandoff_log.text) == warned
+
+
+@pytest.mark.parametrize("script, handed", [
+    ([LOST], 1),  # lost before any chunk: decode may not have it
+    ([chunk("Hel", [5]), LOST], 0),  # decode had it (it streamed): its pull frees the blocks
+], ids=["before", "after"])
+def test_a_lost_decode_call_hands_the_handoff_over_only_before_its_first_chunk(loop, script,
+                                                                              handed):
+    from mmhandoff.plane.runtime import RemoteError
+
+    frontend = Frontend(Scripted([handoff_answer("a")]), Scripted(script), MODEL)
+    over = []
+
+    def hand_over(answer):  # recorded as it is called, as the failure is raised
+        over.append(answer.handoff)
+        return asyncio.sleep(0)
+
+    frontend.journey._hand_over = hand_over
+
+    async def attempt():
+        with pytest.raises(RemoteError, match="decode_failed"):
+            async for _ in frontend.journey.attempt(PrefillRequest(request_id="r", prompt="Hi")):
+                pass
+    loop.run(attempt())
+    assert len(over) == handed
 @pytest.mark.parametrize("broken", [
     [chunk("Hel", [5]), LOST],  # the replica died mid-stream
     [chunk("Hel", [5])],  # the stream closed cleanly, but no chunk ended the answer

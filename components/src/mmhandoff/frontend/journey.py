@@ -234,6 +234,7 @@ class Journey:
             answer = _prefill_answer(raw)
             prefill_stats = answer.stats
         handed = False  # the handoff reached decode, which frees prefill's blocks in any case
+        first_chunk = True
         try:
             if answer is not None:
                 first = answer.first
@@ -248,10 +249,10 @@ class Journey:
                     if first.finish_reason is not None:  # the answer ended at prefill
                         return
                 request = answer.for_decode()
-            finished, first_chunk = False, True
+            finished = False
             async with aclosing(call(self.decode, request, lost="decode_failed",
                                      stall_s=self.stall_s)) as chunks:
-                handed = True  # from here decode has it, or failed to get it (the lease frees)
+                handed = True  # from here decode has it, or the call failed (handed over below)
                 async for raw_chunk in chunks:
                     chunk = _decode_chunk(raw_chunk)
                     if first_chunk and answer is not None and answer.first is None:
@@ -262,6 +263,15 @@ class Journey:
                     yield chunk, prefill_stats, True
             if not finished:  # the stream closed cleanly but the answer did not end: lost
                 raise RemoteError("decode_failed", "decode's stream ended before the answer did")
+        except RemoteError as e:
+            if e.code == "decode_failed" and first_chunk and answer is not None \
+                    and answer.needs_decode():
+                # lost on the way (a router or decode replica gone) before any chunk came back:
+                # a decode may have the handoff or not. Another replica settles it: its claim is
+                # refused if one did (whose pull frees the blocks), else it claims and pulls,
+                # which frees them now instead of at the lease's end (docs/routing.md)
+                background(self._hand_over(answer))
+            raise
         finally:
             if not handed and answer is not None and answer.needs_decode():
                 # the client left after the first token, before decode had the handoff
@@ -295,14 +305,24 @@ class Journey:
         if answer.needs_decode():
             await self._hand_over(answer)
 
-    async def _hand_over(self, answer: PrefillAnswer) -> None:
-        """An abandoned answer's handoff to decode, which stops after its first chunk."""
-        try:
-            async with aclosing(call(self.decode, answer.for_decode())) as chunks:
-                async for _ in chunks:
-                    break
-        except Exception as e:  # nothing to answer to: the lease frees the blocks in the end
-            log.warning(f"[frontend] releasing an abandoned handoff failed: {e!r}")
+    async def _hand_over(self, answer: PrefillAnswer, tries: int = 3) -> None:
+        """An abandoned answer's handoff to decode, which stops after its first chunk; a call
+        lost on the way (a replica gone, not yet out of discovery) is made again."""
+        for left in reversed(range(tries)):
+            try:
+                async with aclosing(call(self.decode, answer.for_decode(), lost="decode_failed",
+                                         stall_s=self.stall_s)) as chunks:
+                    async for _ in chunks:
+                        break
+                return
+            except Exception as e:
+                code = e.code if isinstance(e, RemoteError) else None
+                if code == "replayed":
+                    return  # a decode claimed it first: its pull frees the blocks
+                if code != "decode_failed" or not left:
+                    # nothing to answer to: the lease frees the blocks in the end
+                    log.warning(f"[frontend] releasing an abandoned handoff failed: {e!r}")
+                    return
 
 
 def _from_peer(raw, kind: type, what: str):
