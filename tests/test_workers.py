@@ -381,3 +381,14 @@ def test_decode_warms_up_through_its_whole_path(loop, keys):
     prefill = PrefillWorker(FakeEngine(role="prefill", kv=kv), key=keys[0] if keys else None)
     handoff, _ = run(loop, prefill.handoff(ask("After warm-up?", IMAGES[0])))
     assert len(run(loop, collect(decode.generate(handoff)))[0]) == 5
+
+
+def test_prefills_statistics_count_images_and_videos_apart():
+    from mmhandoff.media.images import LoadedImage
+    from mmhandoff.media.videos import LoadedVideo
+    from mmhandoff.prefill.worker import media_counts
+
+    media = [LoadedImage(None, "a", 100), LoadedVideo(None, "v", 5000), LoadedImage(None, "b", 7)]
+    assert media_counts(media) == {"images": 2, "image_bytes": 107, "videos": 1,
+                                   "video_bytes": 5000}
+    assert media_counts([]) == {"images": 0, "image_bytes": 0, "videos": 0, "video_bytes": 0}

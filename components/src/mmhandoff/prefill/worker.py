@@ -74,6 +74,15 @@ def carried(hashes: list, block_size: int) -> BlockHashes | None:
     return BlockHashes(block_size=block_size, hashes=hashes)
 
 
+def media_counts(media) -> dict[str, int]:
+    """PrefillStats' counts of a request's images and videos, and their bytes as sent."""
+    counts = {"images": 0, "image_bytes": 0, "videos": 0, "video_bytes": 0}
+    for item in media:
+        counts[f"{item.modality}s"] += 1
+        counts[f"{item.modality}_bytes"] += item.source_bytes
+    return counts
+
+
 class PrefillError(RuntimeError):
     code = "prefill_failed"
     fault = "server"
@@ -131,8 +140,7 @@ class PrefillWorker:
         if bypass is not None:
             self.engine.discard(rendered)  # the engine never gets it
             return PrefillAnswer(handoff=bypass, stats=PrefillStats(
-                images=len(media), image_bytes=sum(i.source_bytes for i in media),
-                prompt_tokens=len(rendered.token_ids),
+                **media_counts(media), prompt_tokens=len(rendered.token_ids),
                 prepare_ms=(time.perf_counter() - t0) * 1e3, prefill_ms=0.0, bypassed=True))
         # the handoff's block hashes, beside the engine's prefill (routers look them up)
         hashing = asyncio.get_running_loop().run_in_executor(None, self._hashes, request,
@@ -161,8 +169,8 @@ class PrefillWorker:
                                                  request, rendered, hashes)
         ended = first_token and (one_token or final.finish_reason == "stop")
         stats = PrefillStats(
-            images=len(media), image_bytes=sum(i.source_bytes for i in media),
-            prompt_tokens=len(rendered.token_ids), prepare_ms=(t1 - t0) * 1e3,
+            **media_counts(media), prompt_tokens=len(rendered.token_ids),
+            prepare_ms=(t1 - t0) * 1e3,
             prefill_ms=(time.perf_counter() - t1) * 1e3, cached_tokens=final.cached_tokens)
         first = (FirstToken(token_id=token_ids[0], text=text,
                             finish_reason=final.finish_reason if ended else None,

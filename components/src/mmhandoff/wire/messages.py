@@ -106,6 +106,8 @@ class PrefillStats(msgspec.Struct, kw_only=True):
     bypassed: bool = False
     # prompt tokens prefill's engine found in its own prefix cache (vLLM's count; -1: unknown)
     cached_tokens: int = -1
+    videos: int = 0  # (images and image_bytes count images only)
+    video_bytes: int = 0
 
 
 class FullMediaRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
