@@ -168,12 +168,12 @@ def engine_args(spec: EngineSpec):
             enable_kv_cache_events=True, publisher="zmq", endpoint=spec.kv_events_endpoint,
             topic="kv-events",
         )
-    kw.update(renderer_settings(spec, "cpu" if on_cpu() else "gpu"))
+    kw.update(renderer_settings(spec))
     kw.update(spec.extra)
     return AsyncEngineArgs(**kw)
 
 
-def renderer_settings(spec: EngineSpec, platform: str) -> dict[str, Any]:
+def renderer_settings(spec: EngineSpec) -> dict[str, Any]:
     """How many threads process a request's images (vLLM's renderer workers), and the cache
     setting that many requires. An --engine-arg renderer_num_workers (or mm_processor_cache_gb)
     wins; decode processes no media."""
@@ -181,7 +181,7 @@ def renderer_settings(spec: EngineSpec, platform: str) -> dict[str, Any]:
         return {}
     workers = spec.extra.get("renderer_num_workers", spec.renderer_workers)
     if workers is None:
-        workers = PLATFORM_DEFAULTS[platform].get("renderer_workers", 1)
+        workers = 1  # vLLM's, with its cache, on every platform (AUTO_RENDERER_WORKERS)
     if workers == "auto":
         workers = min(AUTO_RENDERER_WORKERS, len(os.sched_getaffinity(0)))
     _check_renderer_workers(workers)
