@@ -11,12 +11,15 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import msgspec
 import psutil
@@ -67,13 +70,20 @@ def _bad_handoffs(used: dict, fresh: dict, other: dict, key: bytes) -> dict[str,
     }.items()}
 
 
-def test_prefill_and_decode_processes(tmp_path, tiny_model):
+@pytest.fixture
+def own_tmpdir():
+    """A TMPDIR for the components: the engines' socket folders (vllm_adapter.start_engine),
+    which prefill, killed -9 below, cannot remove, go there and not into the machine's /tmp.
+    Short: a socket's path must fit 107 bytes (pytest's tmp_path does not leave room)."""
+    path = Path(tempfile.mkdtemp(prefix="mmh-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_prefill_and_decode_processes(tmp_path, tiny_model, own_tmpdir):
     key = secrets.token_hex(32)  # as a graph hands it to its components
-    # TMPDIR: the engines' socket folders (vllm_adapter.start_engine), which prefill, killed
-    # -9 below, cannot remove: in the test's folder, not the machine's /tmp
-    (tmp_path / "tmp").mkdir()
     env = dict(os.environ, DYN_FILE_KV=str(tmp_path / "discovery"), VLLM_LOGGING_LEVEL="WARNING",
-               UCX_NET_DEVICES="lo", TMPDIR=str(tmp_path / "tmp"), **{KEY_ENV: key})
+               UCX_NET_DEVICES="lo", TMPDIR=str(own_tmpdir), **{KEY_ENV: key})
     ports = [free_system_port(), free_system_port()]
     procs = [
         _start("mmhandoff.prefill", "--model", tiny_model, "--cpu-cores", "0",
@@ -158,6 +168,6 @@ def test_prefill_and_decode_processes(tmp_path, tiny_model):
     # own within a bounded time after their parent exits, whether it exited or was killed
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, [(c.pid, " ".join(c.cmdline())[:120]) for c in alive]
-    # what prefill could not remove is in the test's folder (with it, the machine's /tmp got
-    # one more folder per run)
-    assert list((tmp_path / "tmp").glob("mmhandoff-vllm-ipc-*"))
+    # what prefill could not remove is in the components' own TMPDIR (removed after the test;
+    # before it, the machine's /tmp kept one more folder per run)
+    assert list(own_tmpdir.glob("mmhandoff-vllm-ipc-*"))
