@@ -231,6 +231,8 @@ def test_a_lost_decode_call_hands_the_handoff_over_only_before_its_first_chunk(l
                 pass
     loop.run(attempt())
     assert len(over) == handed
+
+
 @pytest.mark.parametrize("broken", [
     [chunk("Hel", [5]), LOST],  # the replica died mid-stream
     [chunk("Hel", [5])],  # the stream closed cleanly, but no chunk ended the answer

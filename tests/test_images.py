@@ -6,9 +6,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mmhandoff.media.images import (
+    HASH_DOMAIN,
     HEAD_BYTES,
     ImageError,
-    HASH_DOMAIN,
     ImageLimits,
     ImageTooLarge,
     InvalidBase64,
