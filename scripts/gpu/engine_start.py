@@ -6,8 +6,8 @@
 starts the roles one after another, as test_gpu_qwen.py's fixture does, and prints the seconds
 each took to be ready (or the error); with WATCHDOG_S, device.sh writes every process's Python
 stacks when the start is still going after that long. A third argument, JSON, adds engine
-arguments; its `enforce_eager` and `max_model_len` replace the eager 16,384 this script starts
-with (null: the platform's defaults, i.e. CUDA graphs and the model's length on a GPU)."""
+arguments; its `enforce_eager` and `max_model_len` replace the script's eager start at the
+model's own length (null: the platform's default, i.e. CUDA graphs on a GPU)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ async def main(shape: str, roles: str, extra: dict) -> None:
     from mmhandoff.models.dummy import ensure_dummy_model
     from mmhandoff.vllm_adapter import EngineSpec, start_engine
 
-    settings = {"enforce_eager": True, "max_model_len": 16384}
+    settings = {"enforce_eager": True, "max_model_len": None}
     settings.update({k: extra.pop(k) for k in list(settings) if k in extra})
     engines = []
     for role in roles.split(","):
