@@ -761,11 +761,11 @@ def test_a_decode_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
 def test_a_router_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
     """The router is on every answer's path (it relays decode's stream): one of two router
     replicas killed -9 during 8 streams is a lost path like a lost decode replica
-    (see _killed_mid_stream); no engine holds KV once prefill's lease has passed. (Not at once:
-    a handoff whose path died with the router before decode had it is retried through prefill,
-    and its first blocks wait for the lease, since the frontend cannot tell whether a decode
-    replica is pulling them: docs/routing.md, "Why the obvious fix was not made". CI runs of
-    e9fd2b3 and 862da23 met it.)"""
+    (see _killed_mid_stream); no engine holds KV once prefill's lease has passed. (A handoff
+    whose path died with the router before any chunk is retried through prefill, and the
+    frontend hands the lost call's handoff to decode again, whose claim decides who frees its
+    blocks (docs/routing.md); the bound still allows the lease, for a hand-over that finds no
+    live path. CI runs of e9fd2b3 and 862da23 met it with the lease.)"""
     config = _disagg_router(tmp_path)
     spec = yaml.safe_load(Path(config).read_text())
     spec["components"]["router"]["replicas"] = 2
