@@ -17,6 +17,8 @@ Beside them, candidates that would do the same work faster, each timed the same 
   identity hashed over it (the same value: the same bytes) and the processor given the array
   instead of the PIL image, which it would otherwise turn into bytes itself ("array path" is
   the three together; "diff": its model input against the default's);
+- the channels-first path: the same array copied once more into a contiguous (3, height, width)
+  array, which the processor takes without transposing a strided view ("CHW path", its "diff");
 - sha256 over the same pixels (the identity's hash function until 2026-12-06);
 - blake3 over the compressed bytes (a different contract: the same picture sent as JPEG and as
   PNG would get two identities);
@@ -130,6 +132,12 @@ def one(name: str, data: bytes, fmt: str, proc, threads: list[int], reps: int) -
         return proc(images=pixels, return_tensors="pt")
     row["array path"], out = timed(on_threads(threads[0], array_path), reps)
     row["diff"] = float((out["pixel_values"] - ref_pixels).abs().max())
+    def chw_path():
+        pixels = np.array(image)
+        assert array_hash(pixels) == identity
+        return proc(images=np.ascontiguousarray(pixels.transpose(2, 0, 1)), return_tensors="pt")
+    row["CHW path"], out = timed(on_threads(threads[0], chw_path), reps)
+    row["CHW diff"] = float((out["pixel_values"] - ref_pixels).abs().max())
     row["sha256 pixels"], _ = timed(lambda: hashlib.sha256(image.tobytes()).hexdigest(), reps)
     row["blake3 bytes"], _ = timed(
         lambda: blake3.blake3(raw, max_threads=blake3.blake3.AUTO).hexdigest(), reps)
@@ -151,9 +159,10 @@ def report(rows: list[dict], threads: list[int]) -> None:
     print(f"\nms per image, median; process on {threads[0]} torch thread(s); share of the total "
           "in brackets\n")
     print("| image | bytes | base64 | decode | hash | process |" + more + " total | "
-          "threads diff | array path (vs hash + process) / diff | sha256 pixels | "
+          "threads diff | array path (vs hash + process) / diff | CHW path / diff | "
+          "sha256 pixels | "
           "blake3 bytes | draft decode + process / max diff |")
-    print("|---" * (12 + len(threads) - 1) + "|")
+    print("|---" * (13 + len(threads) - 1) + "|")
     for r in rows:
         def share(k):
             return f"{r[k]:.1f} ({r[k] / r['total']:.0%})"
@@ -164,6 +173,7 @@ def report(rows: list[dict], threads: list[int]) -> None:
               f"{share('decode')} | {share('hash')} | {share('process')} |{others} "
               f"{r['total']:.1f} | {r['threads diff']:.3f} | {r['array path']:.1f} "
               f"({r['hash'] + r['process']:.1f}) / {r['diff']:.3f} | "
+              f"{r['CHW path']:.1f} / {r['CHW diff']:.3f} | "
               f"{r['sha256 pixels']:.1f} | {r['blake3 bytes']:.1f} | {draft} |")
 
 

@@ -16,7 +16,10 @@ Arms, one up at a time, each with what its own configuration gives it on one GPU
            share the GPU, 0.45 each);
 - agg-parallel: the agg graph with `--engine-arg renderer_num_workers=8` (8 threads process
            images, and vLLM keeps no processed-image cache) instead of the default (vLLM's one
-           thread, with its cache).
+           thread, with its cache);
+- agg-threads, disagg-threads: the graph with `--renderer-torch-threads auto` on the engine
+           that processes images (one request's image on up to 8 torch threads; vLLM's one
+           renderer thread and its cache kept).
 The shipped configs as they are: no engine argument is passed by hand. The client (aiohttp,
 streaming chat, greedy, `ignore_eos`, MAX_TOKENS output tokens) sends distinct JPEGs (no prefix
 cache helps), at 640x480 and 12 MP, at 1, 8 and 32 in flight (12 MP: 1 and 8), then the 12 MP
@@ -54,10 +57,14 @@ SHAPE = "llava-1.5-7b"
 CELLS = [("640x480", 1, 8), ("640x480", 8, 32), ("640x480", 32, 64),
          ("12MP", 1, 6), ("12MP", 8, 16)]  # (image, concurrency, requests)
 SIZES = {"640x480": (640, 480), "12MP": (4000, 3000)}
-ARMS = ("vllm", "vllm-pd", "agg", "disagg", "agg-parallel")
-# agg-parallel: the agg graph with 8 threads processing images (vLLM then keeps no
-# processed-image cache) instead of the default (vLLM's one thread and its cache: issue 37)
-PARALLEL_RENDERER = ["--engine-arg", "renderer_num_workers=8"]
+ARMS = ("vllm", "vllm-pd", "agg", "disagg", "agg-parallel", "agg-threads", "disagg-threads")
+# variants of a shipped graph (issue 37): the arguments its image-processing component gets
+# on top of the config's. agg-parallel: 8 threads processing images (vLLM then keeps no
+# processed-image cache) instead of vLLM's one thread and its cache; *-threads: each image on
+# up to 8 torch threads
+TORCH_THREADS = ["--renderer-torch-threads", "auto"]
+VARIANTS = {"agg-parallel": ("agg", ["--engine-arg", "renderer_num_workers=8"]),
+            "agg-threads": ("agg", TORCH_THREADS), "disagg-threads": ("prefill", TORCH_THREADS)}
 AGAIN = "12MP C1 again"  # the 12 MP C1 cell's images once more: a follow-up turn's TTFT
 PD_SHARE = 0.45  # as configs/gpu/disagg.yaml's engines on one GPU
 
@@ -177,13 +184,14 @@ def start_arm(arm: str, model: str, log_dir: Path) -> tuple[list[Server], float]
             servers[-1].wait()  # one after the other: vLLM sizes its KV from free memory
     else:
         p, graph, config = port(), arm.split("-")[0], f"configs/gpu/{arm.split('-')[0]}.yaml"
-        if arm == "agg-parallel":
+        if arm in VARIANTS:
             import yaml
 
+            component, extra = VARIANTS[arm]
             spec = yaml.safe_load(Path(config).read_text())
-            spec["components"]["agg"]["args"] = [*spec["components"]["agg"].get("args", []),
-                                                 *PARALLEL_RENDERER]
-            config = str(log_dir / "agg-parallel.yaml")
+            part = spec["components"][component]
+            part["args"] = [*part.get("args", []), *extra]
+            config = str(log_dir / f"{arm}.yaml")
             Path(config).write_text(yaml.safe_dump(spec))
         servers = [Server(arm, [sys.executable, "-m", "mmhandoff", "serve",
                                 f"graphs.{graph}:Frontend", "-f", config,
@@ -342,9 +350,11 @@ def report(results: dict) -> None:
         if {"agg", "vllm"} <= set(arms):
             line.append(f"agg/vllm serve req/s {ratio('agg', 'vllm', c, 'rps'):.2f}"
                         + (" (>= 0.95)" if c.endswith(("C8", "C32")) else ""))
-        if {"agg", "agg-parallel"} <= set(arms):
-            line.append("agg-parallel/agg TTFT p50 "
-                        f"{ratio('agg-parallel', 'agg', c, 'ttft_p50_ms'):.2f}")
+        for variant, (component, _) in VARIANTS.items():
+            base = "disagg" if component == "prefill" else "agg"
+            if {base, variant} <= set(arms):
+                line.append(f"{variant}/{base} TTFT p50 "
+                            f"{ratio(variant, base, c, 'ttft_p50_ms'):.2f}")
         print(" ".join(line))
     # issue 37: how a 12 MP request's TTFT holds up with 8 in flight, per arm
     c1, c8 = "12MP C1", "12MP C8"

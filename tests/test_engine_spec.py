@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mmhandoff.vllm_adapter import EngineSpec
@@ -175,6 +177,55 @@ def test_renderer_threads_are_vllms_one_unless_asked_and_more_turn_the_cache_off
 def test_a_renderer_worker_count_that_is_no_count_is_refused(bad):
     with pytest.raises(ValueError, match="renderer workers"):
         EngineSpec(model="m", role="agg", renderer_workers=bad)
+
+
+def test_renderer_torch_threads_reach_the_worker_only_after_its_engine_core_started(monkeypatch):
+    """Issue 37: vLLM's renderer processes each image on OMP_NUM_THREADS torch threads (one when
+    unset), read at every render. An engine core started with the variable hung at model load
+    on an H100: the worker sets it once the core is up, never for a core starting later in the
+    same process, and never over a value the user gave the process."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    mark = engine_mod.RENDERER_THREADS_MARK
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv(mark, raising=False)
+    monkeypatch.setattr(engine_mod.os, "sched_getaffinity", lambda _pid: set(range(16)))
+    seen_at_start = []
+
+    def fake_start(args, **kw):
+        seen_at_start.append(os.environ.get("OMP_NUM_THREADS"))
+        manager = SimpleNamespace(processes=[])
+        return SimpleNamespace(engine_core=SimpleNamespace(
+            resources=SimpleNamespace(engine_manager=manager)))
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(fake_start))
+    engine_mod.start_llm(EngineSpec(model="m", role="agg"))
+    assert "OMP_NUM_THREADS" not in os.environ  # not asked: vLLM's one thread
+    engine_mod.start_llm(EngineSpec(model="m", role="prefill", renderer_torch_threads="auto"))
+    assert os.environ["OMP_NUM_THREADS"] == str(engine_mod.AUTO_RENDERER_WORKERS)
+    engine_mod.start_llm(EngineSpec(model="m", role="decode", renderer_torch_threads=4))
+    assert seen_at_start == [None, None, None]  # no core ever started with it
+    assert os.environ["OMP_NUM_THREADS"] == "8"  # decode processes no media: left as it was
+    engine_mod.start_llm(EngineSpec(model="m", role="agg", renderer_torch_threads=2))
+    assert os.environ["OMP_NUM_THREADS"] == "2"  # the worker's own setting, replaced
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's
+    monkeypatch.delenv(mark)
+    engine_mod.start_llm(EngineSpec(model="m", role="agg", renderer_torch_threads=8))
+    assert seen_at_start[-1] == "3" and os.environ["OMP_NUM_THREADS"] == "3"
+
+    monkeypatch.setattr(engine_mod.os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert engine_mod.renderer_threads_env(
+        EngineSpec(model="m", role="agg", renderer_torch_threads="auto"), {}) == {
+        "OMP_NUM_THREADS": "2", mark: "1"}  # never more than the cores
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "many", True])
+def test_a_renderer_torch_thread_count_that_is_no_count_is_refused(bad):
+    with pytest.raises(ValueError, match="renderer torch threads"):
+        EngineSpec(model="m", role="agg", renderer_torch_threads=bad)
 
 
 def test_an_engine_whose_side_channel_port_is_taken_is_refused_before_vllm_starts():

@@ -58,6 +58,11 @@ def parser(role: str) -> argparse.ArgumentParser:
                        help="skip prefill's engine when a decode replica holds the prompt's KV "
                             "through its last image and at most this many prompt tokens are "
                             "left to compute (0: never; docs/routing.md)")
+    if role in ("agg", "prefill"):
+        p.add_argument("--renderer-torch-threads", type=_threads, metavar="N|auto",
+                       help="torch threads vLLM's renderer processes each image on (default: "
+                            "vLLM's, one unless the process has OMP_NUM_THREADS; auto: up to 8, "
+                            "no more than the process's cores); set once the engine is up")
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg,
                    metavar="NAME=VALUE",
                    help="passed to vLLM's engine arguments as is, after mmhandoff's own (VALUE "
@@ -77,6 +82,18 @@ def _engine_arg(value: str) -> tuple[str, Any]:
         return name, json.loads(raw)
     except ValueError:
         return name, raw
+
+
+def _threads(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {value!r}")
+    return n
 
 
 def _ip(value: str) -> str:
@@ -121,6 +138,7 @@ def engine_spec(args: argparse.Namespace, role: str, kv_events_endpoint: str | N
                       cpu_cores=args.cpu_cores, nixl_port=args.nixl_port,
                       nixl_host=args.nixl_host, kv_lease_s=args.kv_lease_s,
                       kv_events_endpoint=kv_events_endpoint, extra=extra,
+                      renderer_torch_threads=getattr(args, "renderer_torch_threads", None),
                       # an environment variable, not a flag: every engine of a graph must
                       # agree (vLLM's NIXL handshake compares the layouts), so a YAML sets it
                       # once in its `env` (docs/gpu.md)

@@ -47,6 +47,12 @@ PLATFORM_DEFAULTS: dict[str, dict[str, Any]] = {
 # from 74 to 400 ms (docs/benchmarks.md): vLLM's one thread stays the default on every
 # platform; "auto": this many threads at most, and no more than the process's cores.
 AUTO_RENDERER_WORKERS = 8
+# vLLM's renderer runs the image processor on OMP_NUM_THREADS torch threads, one if unset, and
+# reads the variable at every render. An engine core that inherits the variable at its start
+# hung at model load on an H100 (docs/benchmarks.md): the worker sets it only once its engine's
+# core is up, marks it as its own, and takes it out of the environment while another engine of
+# the same process starts.
+RENDERER_THREADS_MARK = "MMHANDOFF_RENDERER_OMP_NUM_THREADS"
 
 
 @dataclass
@@ -65,6 +71,10 @@ class EngineSpec:
     # cache (a repeated image then travels without pixels); "auto" or more than one: side by
     # side, and no cache
     renderer_workers: int | str | None = None
+    # torch threads for each image the renderer processes: None: vLLM's (OMP_NUM_THREADS if the
+    # process was started with it, else one); "auto": AUTO_RENDERER_WORKERS at most, and no more
+    # than the process's cores
+    renderer_torch_threads: int | str | None = None
     dtype: str = "auto"
     seed: int = 0
     kv_cache_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
@@ -107,11 +117,17 @@ class EngineSpec:
                 f"block_hash_seed must be in [0, 2**32 - 1], got {self.block_hash_seed}")
         if self.renderer_workers not in (None, "auto"):
             _check_renderer_workers(self.renderer_workers)
+        if self.renderer_torch_threads not in (None, "auto"):
+            _check_renderer_workers(self.renderer_torch_threads, "renderer torch threads")
 
 
-def _check_renderer_workers(workers: Any) -> None:
+def _check_renderer_workers(workers: Any, what: str = "renderer workers") -> None:
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ValueError(f"renderer workers must be a positive integer or 'auto', got {workers!r}")
+        raise ValueError(f"{what} must be a positive integer or 'auto', got {workers!r}")
+
+
+def _auto_threads() -> int:
+    return min(AUTO_RENDERER_WORKERS, len(os.sched_getaffinity(0)))
 
 
 def on_cpu() -> bool:
@@ -183,7 +199,7 @@ def renderer_settings(spec: EngineSpec) -> dict[str, Any]:
     if workers is None:
         workers = 1  # vLLM's, with its cache, on every platform (AUTO_RENDERER_WORKERS)
     if workers == "auto":
-        workers = min(AUTO_RENDERER_WORKERS, len(os.sched_getaffinity(0)))
+        workers = _auto_threads()
     _check_renderer_workers(workers)
     out: dict[str, Any] = {"renderer_num_workers": workers}
     if workers > 1 and "mm_processor_cache_gb" not in spec.extra:
@@ -275,10 +291,35 @@ def _layout_names_blocks_outermost() -> bool:
     return importlib.util.find_spec("vllm.v1.kv_cache_layout") is not None
 
 
+def renderer_threads_env(spec: EngineSpec, environ: dict[str, str]) -> dict[str, str]:
+    """What the worker's environment takes once the engine's core is up, so that vLLM's renderer
+    processes images on the spec's torch threads: {} when the spec leaves vLLM's choice, the
+    engine processes no media, or OMP_NUM_THREADS came from outside (the user's wins)."""
+    threads = spec.renderer_torch_threads
+    if threads is None or spec.role == "decode":
+        return {}
+    if "OMP_NUM_THREADS" in environ and RENDERER_THREADS_MARK not in environ:
+        return {}
+    threads = _auto_threads() if threads == "auto" else threads
+    return {"OMP_NUM_THREADS": str(threads), RENDERER_THREADS_MARK: "1"}
+
+
+def _start_environ(environ: dict[str, str]) -> dict[str, str | None]:
+    """The renderer's thread count taken out while an engine core starts (renderer_threads_env)."""
+    if RENDERER_THREADS_MARK not in environ:
+        return {}
+    return {"OMP_NUM_THREADS": None, RENDERER_THREADS_MARK: None}
+
+
 @contextlib.contextmanager
-def _patched_environ(values: dict[str, str]) -> Iterator[None]:
+def _patched_environ(values: dict[str, str | None]) -> Iterator[None]:
+    """`values` set (None: removed) for the block, then put back as they were."""
     saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
@@ -345,7 +386,7 @@ def start_llm(spec: EngineSpec, load=None, ipc_dir: str | None = None):
 
     loggers = [load.logger_factory()] if load is not None else None
     env = engine_env(spec) | ({"VLLM_RPC_BASE_PATH": ipc_dir} if ipc_dir else {})
-    with _patched_environ(env):
+    with _patched_environ(env | _start_environ(dict(os.environ))):
         # the batch defaults `vllm serve` gets: vLLM sizes them by usage context, and
         # AsyncLLM's own (ENGINE_CONTEXT) is in none of its tables, so an engine started without
         # one got the bare SchedulerConfig defaults (2048 batched tokens, 128 sequences; `vllm
@@ -353,4 +394,5 @@ def start_llm(spec: EngineSpec, load=None, ipc_dir: str | None = None):
         llm = AsyncLLM.from_engine_args(engine_args(spec), stat_loggers=loggers,
                                         usage_context=UsageContext.OPENAI_API_SERVER)
     serialize_reaping(core_processes(llm))
+    os.environ.update(renderer_threads_env(spec, dict(os.environ)))
     return llm
