@@ -3,6 +3,8 @@ sees it, and the engine keeps answering correctly."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 
@@ -147,4 +149,40 @@ def test_a_handoff_replayed_to_another_decode_replica_reads_no_kv(loop, engines)
         loop.run(collect(b.generate(encode_handoff(h))))
     assert [h.first_token, *tokens] == loop.run(agg_run(prefill, engines.full, "once", question,
                                                         s))
+    assert wait_for_prefill_kv(loop, engines, lambda usage: usage == 0.0, 30)
+
+
+def test_prefill_frees_an_unclaimed_handoffs_kv_long_before_its_lease(loop, engines):
+    """Issue 35 on vLLM: a handoff nobody claims (its delivery lost) is revoked at prefill after
+    `release_unclaimed_s` and the engine's connector frees its blocks then, not at the lease's
+    end (8 s here); a copy that comes later is refused as expired before decode's engine sees
+    it. A handoff claimed in time is pulled and answered as agg, as before."""
+    from mmhandoff.decode.claims import ClaimClient
+    from mmhandoff.prefill.claims import ERRORS as CLAIM_ERRORS, ClaimBook
+    from mmhandoff.wire.handoff import Expired
+    from tests.flows import wait_for_prefill_kv
+    from tests.test_claims import AT, Plane
+
+    book = ClaimBook(lambda: AT)
+    prefill = PrefillWorker(engines.prefill, key=KEY, claims=book, release_unclaimed_s=1.0)
+    decode = DecodeWorker(engines.decode, keys=[KEY],
+                          claim=ClaimClient(Plane({AT.endpoint: (book.handle, CLAIM_ERRORS)})))
+    s = greedy(6, ignore_eos=True)
+    question = chat("Who frees it?", data_uri(encode(make_image(120, 90, 57))))
+    assert wait_for_prefill_kv(loop, engines, lambda usage: usage == 0.0, 30)
+    t0 = time.monotonic()
+    lost, _ = loop.run(prefill.handoff(PrefillRequest(request_id="lost", messages=question,
+                                                      sampling=s)))
+    assert wait_for_prefill_kv(loop, engines, lambda usage: usage > 0.0, 5)
+    assert wait_for_prefill_kv(loop, engines, lambda usage: usage == 0.0, engines.lease_s)
+    freed_after = time.monotonic() - t0
+    assert 1.0 <= freed_after < engines.lease_s / 2, freed_after
+    with pytest.raises(Expired, match="released the KV"):
+        loop.run(collect(decode.generate(encode_handoff(lost))))
+    kept, _ = loop.run(prefill.handoff(PrefillRequest(request_id="kept", messages=question,
+                                                      sampling=s)))
+    tokens, last = loop.run(collect(decode.generate(encode_handoff(kept))))
+    assert last.stats.kv_tokens_pulled > 0
+    assert [kept.first_token, *tokens] == loop.run(agg_run(prefill, engines.full, "kept",
+                                                           question, s))
     assert wait_for_prefill_kv(loop, engines, lambda usage: usage == 0.0, 30)

@@ -101,6 +101,59 @@ def test_unclaimed_nonces_are_forgotten_after_their_expiry():
     book.claim(kept.nonce, "r", now=now + 31)
 
 
+def test_handoffs_unclaimed_in_time_are_revoked_once_and_refused_as_expired():
+    """Issue 35: a handoff whose delivery was lost is revoked `after_s` after it was issued (its
+    KV params handed back for the engine to free); a claimed one is not; a claim that comes
+    after the revocation is refused as `expired` (the frontend retries through prefill)."""
+    book = ClaimBook(lambda: AT)
+    now = time.time()
+    handoffs = [msgspec.structs.replace(sign(_handoff(), KEY, ttl_s=20, now=now),
+                                        kv_transfer_params={"n": i}) for i in range(4)]
+    for i, h in enumerate(handoffs):
+        book.issue(h, now=now + i)  # issued one second apart
+    book.claim(handoffs[0].nonce, "r0", now=now + 0.5)
+    assert book.unsettled() == 3
+    assert book.revoke_unclaimed(5.0, now=now + 5.5) == []  # the oldest unclaimed: 4.5 s
+    assert book.revoke_unclaimed(5.0, now=now + 7.0) == [{"n": 1}, {"n": 2}]
+    assert book.revoke_unclaimed(5.0, now=now + 7.5) == []  # each revoked once
+    with pytest.raises(Expired, match="released the KV"):
+        book.claim(handoffs[1].nonce, "r1", now=now + 8)
+    with pytest.raises(Replayed):  # and refused once only: then it is unknown
+        book.claim(handoffs[1].nonce, "r1", now=now + 8)
+    book.claim(handoffs[3].nonce, "r3", now=now + 8)  # still in time
+    assert book.unsettled() == 0 and book.revoke_unclaimed(5.0, now=now + 30) == []
+
+
+def test_prefill_frees_the_kv_of_a_handoff_nobody_claims(loop):
+    """Issue 35: a handoff issued and never delivered (a crashed frontend's, a dead router's)
+    no longer holds prefill's blocks for the lease: `release_unclaimed_s` after it was issued
+    prefill revokes it and its engine frees them; one that decode claimed is pulled as before,
+    and a late copy of the revoked one is refused as expired with nothing read."""
+    kv = FakeKV()
+    book = ClaimBook(lambda: AT)
+    prefill = PrefillWorker(FakeEngine(role="prefill", kv=kv), key=KEY, claims=book,
+                            release_unclaimed_s=0.3)
+    plane = Plane({AT.endpoint: (book.handle, ERRORS)})
+    decode = DecodeWorker(FakeEngine(role="decode", kv=kv), keys=[KEY], claim=ClaimClient(plane))
+    lost, _ = run(loop, prefill.handoff(ask("Lost?", IMAGES[0])))
+    delivered, _ = run(loop, prefill.handoff(ask("Delivered?", IMAGES[1])))
+    assert len(kv.blocks) == 2
+    tokens, last = run(loop, collect(decode.generate(encode_handoff(delivered))))
+    assert last.stats.kv_tokens_pulled > 0 and len(kv.blocks) == 1
+
+    async def freed():
+        t0 = time.monotonic()
+        while kv.blocks:
+            assert time.monotonic() - t0 < 5, "the unclaimed handoff's KV is still held"
+            await asyncio.sleep(0.02)
+        return time.monotonic() - t0
+    run(loop, freed())
+    with pytest.raises(Expired):
+        run(loop, collect(decode.generate(encode_handoff(lost))))
+    assert book.unsettled() == 0
+    run(loop, asyncio.wait_for(prefill._releasing, 2))  # and the sweep ends with nothing left
+
+
 def test_a_claim_needs_a_signed_nonce_and_kv():
     h = _handoff()
     unsigned = decode_handoff(encode_handoff(msgspec.structs.replace(h, claim=AT)))

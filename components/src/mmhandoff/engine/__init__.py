@@ -150,6 +150,13 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None:
         ...
 
+    async def release_kv(self, held: Sequence[dict[str, Any]]) -> int:
+        """Free the blocks finished prefill requests hold for consumers that will not come, each
+        named by the `kv_transfer_params` its answer gave; how many were still held (one pulled
+        or expired meanwhile is not). Safe only once no consumer can read them (prefill.claims
+        revokes a handoff first)."""
+        ...
+
     async def warm_up(self) -> None:
         """Pay the engine's one-time costs (what its first requests would otherwise wait for)
         before the worker reports ready."""

@@ -219,6 +219,9 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)  # every call, as asked: a finished one is a no-op
 
+    async def release_kv(self, held: Sequence[dict[str, Any]]) -> int:
+        return sum(self.kv.blocks.pop(p.get("fake_kv"), None) is not None for p in held)
+
     def dead_cause(self) -> str | None:
         return self._dead
 

@@ -317,8 +317,10 @@ class Journey:
                 return
             except Exception as e:
                 code = e.code if isinstance(e, RemoteError) else None
-                if code == "replayed":
-                    return  # a decode claimed it first: its pull frees the blocks
+                if code in ("replayed", "expired"):
+                    # a decode claimed it first (its pull frees the blocks), or prefill revoked
+                    # it unclaimed and freed them itself (prefill.claims), or its lease ended
+                    return
                 if code != "decode_failed" or not left:
                     # nothing to answer to: the lease frees the blocks in the end
                     log.warning(f"[frontend] releasing an abandoned handoff failed: {e!r}")

@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
                                          instance=context.instance_id()))
         return arm(engine, key=key, router=router, ttl_s=handoff_ttl(args.kv_lease_s),
                    bypass_max_tokens=args.bypass_max_tokens,
-                   publish_prefixes=context.publish_prefixes, claims=claims)
+                   publish_prefixes=context.publish_prefixes, claims=claims,
+                   release_unclaimed_s=args.release_unclaimed_s)
 
     return run("prefill", "prefill", ENDPOINT, make_worker, ERRORS, argv,
                side_endpoints=(CLAIM,))

@@ -8,6 +8,12 @@ and the handoff names where to claim it (`Handoff.claim`, signed). Decode claims
 pulls; the first claim takes the nonce, any later one is refused (`replayed`), and so is one
 after the handoff's expiry (`expired`: the blocks may be gone). A restarted prefill knows no
 nonce: its predecessor's handoffs are refused, as their KV went with it.
+
+A handoff nobody claims (its delivery lost: a crashed frontend, a dead router) would hold its
+blocks until prefill's lease ends. Decode claims at admission, milliseconds after delivery, so
+one still unclaimed `release_after_s` after it was issued is revoked (`revoke_unclaimed`): a
+later claim is refused as `expired` (the frontend retries through prefill) and prefill frees
+the blocks (PrefillWorker). The revocation comes first, so no decode can be pulling them.
 """
 
 from __future__ import annotations
@@ -33,20 +39,49 @@ class ClaimBook:
         reconnects, so it is asked for each handoff)."""
         self.at = at
         self._open: dict[str, float] = {}  # nonce -> expires_at, in issue order
+        self._issued: dict[str, tuple[float, dict]] = {}  # nonce -> (issued at, KV params)
+        self._revoked: dict[str, float] = {}  # nonce -> expires_at: refused as expired
         self._next_prune = 0.0
 
-    def issue(self, h: Handoff) -> None:
+    def issue(self, h: Handoff, now: float | None = None) -> None:
         """Record a signed handoff whose `claim` names this book."""
         self._open[h.nonce] = h.expires_at
+        self._issued[h.nonce] = (time.time() if now is None else now, h.kv_transfer_params)
+
+    def unsettled(self) -> int:
+        """How many issued handoffs are neither claimed nor revoked yet."""
+        return len(self._issued)
+
+    def revoke_unclaimed(self, after_s: float, now: float | None = None) -> list[dict]:
+        """Revoke the handoffs issued more than `after_s` ago and still unclaimed; their
+        `kv_transfer_params`, for the engine to free their blocks."""
+        now = time.time() if now is None else now
+        released = []
+        for nonce, (issued_at, params) in list(self._issued.items()):  # in issue order
+            if now - issued_at < after_s:
+                break
+            del self._issued[nonce]
+            expires_at = self._open.pop(nonce, None)
+            if expires_at is not None:  # unclaimed
+                self._revoked[nonce] = expires_at
+                released.append(params)
+        return released
 
     def claim(self, nonce: str, request_id: str, now: float | None = None) -> None:
         """Grant `nonce` once; raise Replayed (claimed before, or never issued by this run of
         prefill) or Expired."""
         now = time.time() if now is None else now
         expires_at = self._open.pop(nonce, None)
+        self._issued.pop(nonce, None)
+        revoked = self._revoked.pop(nonce, None) is not None
         if now >= self._next_prune:  # at most once a second
             self._open = {n: t for n, t in self._open.items() if t >= now}
+            self._revoked = {n: t for n, t in self._revoked.items() if t >= now}
+            self._issued = {n: v for n, v in self._issued.items() if n in self._open}
             self._next_prune = now + 1.0
+        if revoked:
+            raise Expired(f"handoff {request_id!r} was not claimed in time: its prefill "
+                          "released the KV")
         if expires_at is None:
             raise Replayed(f"handoff {request_id!r} is not open at its prefill: claimed before "
                            "(a handoff's KV is read once), expired, or issued before prefill "

@@ -61,6 +61,11 @@ VLLM_KV_LEASE_S = 30  # vLLM's kv_lease_duration when --kv-lease-s is not given
 HANDOFF_TTL_S = VLLM_KV_LEASE_S * 2 / 3
 
 
+# A handoff still unclaimed this long after it was issued is revoked and its blocks freed
+# (prefill.claims): decode claims at admission, milliseconds after the frontend delivers it.
+RELEASE_UNCLAIMED_S = 5.0
+
+
 def handoff_ttl(kv_lease_s: int | None) -> float:
     """A handoff's validity for prefill's KV lease: two thirds of it."""
     return (kv_lease_s or VLLM_KV_LEASE_S) * 2 / 3
@@ -101,12 +106,14 @@ class PrefillWorker:
                  key: bytes | None = None,
                  ttl_s: float = HANDOFF_TTL_S, router=None, bypass_max_tokens: int = 0,
                  publish_prefixes: Callable[[dict[str, list]], None] | None = None,
-                 claims: ClaimBook | None = None) -> None:
+                 claims: ClaimBook | None = None,
+                 release_unclaimed_s: float = RELEASE_UNCLAIMED_S) -> None:
         """`key`: sign every handoff with it, with a nonce and an expiry `ttl_s` from now
         (decode is given the same key). `router` (a RouterLookup) and `bypass_max_tokens` > 0:
         skip the engine for a prompt a decode replica can answer from its own cache (bypass).
         `claims`: with a key, each handoff that names KV names this prefill as where to claim
-        it, and the book grants it once (prefill.claims)."""
+        it, and the book grants it once (prefill.claims); one unclaimed after
+        `release_unclaimed_s` is revoked and its blocks freed (0: left to the lease)."""
         self.engine = engine
         self.prompts = PromptBuilder(engine, limits)
         self.key, self.ttl_s = key, ttl_s
@@ -115,6 +122,8 @@ class PrefillWorker:
         # (prefill.prefixes): the process's kv_blocks feed takes them; None: nobody does
         self.publish_prefixes = publish_prefixes
         self.claims = claims if key is not None else None  # a claim is of a signed nonce
+        self.release_unclaimed_s = release_unclaimed_s
+        self._releasing: asyncio.Task | None = None  # while handoffs wait for their claims
 
     async def warm_up(self) -> None:  # the engine's warm-up is all prefill needs
         pass
@@ -210,7 +219,29 @@ class PrefillWorker:
             handoff = sign(handoff, self.key, ttl_s=self.ttl_s)
         if handoff.claim is not None:
             self.claims.issue(handoff)
+            if self.release_unclaimed_s > 0 and (self._releasing is None
+                                                 or self._releasing.done()):
+                self._releasing = asyncio.get_running_loop().create_task(
+                    self._release_unclaimed())
         return encode_handoff(handoff)
+
+    async def _release_unclaimed(self) -> None:
+        """Revoke and free, every fraction of `release_unclaimed_s`, the handoffs nobody
+        claimed in time, until every handoff issued is claimed or revoked (the next one issued
+        starts it again)."""
+        every = min(1.0, self.release_unclaimed_s / 4)
+        while self.claims.unsettled():
+            await asyncio.sleep(every)
+            held = self.claims.revoke_unclaimed(self.release_unclaimed_s)
+            if not held:
+                continue
+            try:
+                freed = await self.engine.release_kv(held)
+            except Exception:  # the engine stopping or dead: its blocks go with it
+                log.exception("freeing %d unclaimed handoffs' KV failed", len(held))
+                continue
+            log.info("%d handoffs unclaimed after %.0f s revoked; %d still held KV, freed now",
+                     len(held), self.release_unclaimed_s, freed)
 
     async def _bypass(self, request: PrefillRequest, rendered: Rendered) -> bytes | None:
         """The handoff that sends `request` straight to a decode replica holding its KV

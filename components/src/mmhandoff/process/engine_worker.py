@@ -58,6 +58,12 @@ def parser(role: str) -> argparse.ArgumentParser:
                        help="skip prefill's engine when a decode replica holds the prompt's KV "
                             "through its last image and at most this many prompt tokens are "
                             "left to compute (0: never; docs/routing.md)")
+        from mmhandoff.prefill.worker import RELEASE_UNCLAIMED_S
+
+        p.add_argument("--release-unclaimed-s", type=float, default=RELEASE_UNCLAIMED_S,
+                       help="a signed handoff no decode has claimed this many seconds after it "
+                            "was issued (its delivery lost) is revoked and its KV freed, instead "
+                            "of held until --kv-lease-s ends (0: left to the lease)")
     if role in ("agg", "prefill"):
         p.add_argument("--renderer-torch-threads", type=_threads, metavar="N|auto",
                        help="torch threads vLLM's renderer processes each image on (default: "

@@ -31,6 +31,7 @@ KV_READERS: tuple[Role, ...] = ("decode", "full_media_decode")  # they pull KV w
 FAIL_CLOSED_SCHEDULER = "mmhandoff.vllm_adapter.core.scheduler.FailClosedScheduler"
 KV_STATS_SCHEDULER = "mmhandoff.vllm_adapter.core.scheduler.KvStatsScheduler"
 CONNECTOR = "mmhandoff.vllm_adapter.core.connector.MMHandoffNixlConnector"
+RELEASE_EXTENSION = "mmhandoff.vllm_adapter.core.release.HandoffRelease"  # (core.release)
 
 
 # What an EngineSpec field left at None becomes, per platform; a GPU takes vLLM's own default
@@ -173,6 +174,8 @@ def engine_args(spec: EngineSpec):
         if spec.kv_buffer_device or on_cpu():
             connector["kv_buffer_device"] = spec.kv_buffer_device or "cpu"
         kw["kv_transfer_config"] = KVTransferConfig(**connector)
+    if spec.role == "prefill":  # frees blocks of handoffs nobody will claim
+        kw["worker_extension_cls"] = RELEASE_EXTENSION
     if spec.role == "decode":
         kw.update(_no_vision_tower(spec.model))
         kw["mm_processor_cache_gb"] = 0

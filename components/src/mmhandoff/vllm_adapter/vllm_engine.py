@@ -266,6 +266,16 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
+    async def release_kv(self, held) -> int:
+        """Through the model workers' connector (core.release: vLLM frees a finished request's
+        blocks only on a consumer's notice or at its lease's end)."""
+        from mmhandoff.vllm_adapter.core.release import RELEASE_METHOD
+
+        ids = [p["remote_request_id"] for p in held if p.get("remote_request_id")]
+        if not ids:
+            return 0
+        return sum(await self.llm.collective_rpc(RELEASE_METHOD, args=(ids,)))
+
     def dead_cause(self) -> str | None:
         from mmhandoff.vllm_adapter.engine_core import engine_dead_cause
 

@@ -29,6 +29,9 @@ prefill, decode continues after it; wire/handoff.py):
 - A prefill whose one token stopped the answer (EOS, a stop token) holds its blocks for a pull
   that will never come (vLLM keeps stopped requests' blocks too). With RELEASE_ON_STOP_KEY the
   blocks are freed at once, as for an aborted request, and the output names no blocks.
+
+And one worker-side change: `release_held` ends the lease of finished requests whose handoff
+nobody will claim (core.release).
 """
 
 from __future__ import annotations
@@ -85,6 +88,23 @@ class MMHandoffNixlConnector(NixlConnector):
         # nothing left to pull (all in the local prefix cache): vLLM's own full-hit path, which
         # still tells prefill to free its blocks
         return (count, True) if count > 0 else (0, False)
+
+    def release_held(self, request_ids: list[str]) -> int:
+        """Worker side: the leases of these requests' blocks end now (those still held; a pull
+        done or a lease ended meanwhile is not), and the connector's next poll frees them as it
+        frees an expired lease. vLLM 0.26 reaps leases in insertion order and stops at the first
+        unexpired one, so the ended ones are moved to the front (0.31 scans them all)."""
+        worker = self.connector_worker
+        if worker is None:
+            return 0
+        held = worker._reqs_to_send  # {request id: lease end, time.perf_counter()}
+        ended = [r for r in dict.fromkeys(request_ids) if r in held]
+        if ended:
+            rest = [(r, t) for r, t in held.items() if r not in set(ended)]
+            held.clear()  # in place: the worker holds this dict
+            held.update(dict.fromkeys(ended, 0.0))
+            held.update(rest)
+        return len(ended)
 
     def request_finished(self, request, block_ids):
         with _released_if_stopped(request):
