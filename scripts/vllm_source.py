@@ -57,6 +57,7 @@ CONTRACT = (
     "vllm.v1.engine.async_llm.AsyncLLM.add_request",
     "vllm.v1.engine.async_llm.AsyncLLM.generate",
     "vllm.v1.engine.async_llm.AsyncLLM.abort",
+    "vllm.v1.engine.async_llm.AsyncLLM.collective_rpc",
     "vllm.v1.engine.async_llm.AsyncLLM.get_supported_tasks",
     "vllm.v1.engine.async_llm.AsyncLLM.errored",
     "vllm.v1.engine.async_llm.AsyncLLM.shutdown",

@@ -246,3 +246,38 @@ def test_an_engine_whose_side_channel_port_is_taken_is_refused_before_vllm_start
             engine_mod.start_engine(spec)  # refused before any vLLM import or process
         check_side_channel_port(EngineSpec(model="m", role="agg", nixl_port=port))
     check_side_channel_port(EngineSpec(model="m", role="decode", nixl_port=free_port()))
+
+
+def test_only_prefill_engines_take_the_release_of_unclaimed_kv():
+    """The worker extension through which prefill frees an unclaimed handoff's blocks
+    (core.release) is mixed into prefill's model worker only; it names a class that exists."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from mmhandoff.vllm_adapter.core import release
+
+    default = AsyncEngineArgs(model="m").worker_extension_cls
+    for role in ROLES:
+        ext = engine_mod.engine_args(EngineSpec(model="m", role=role)).worker_extension_cls
+        assert ext == (engine_mod.RELEASE_EXTENSION if role == "prefill" else default), role
+    module, name = engine_mod.RELEASE_EXTENSION.rsplit(".", 1)
+    assert module == release.__name__ and callable(getattr(release, name).mmhandoff_release_kv)
+    assert release.RELEASE_METHOD == "mmhandoff_release_kv"
+
+
+def test_released_leases_end_now_and_go_first():
+    """release_held on the connector worker's lease book: only requests still held count; their
+    leases end now and move to the front (vLLM 0.26 stops reaping at the first live lease);
+    the others keep theirs, in order; the book stays the same dict (the worker holds it)."""
+    from types import SimpleNamespace
+
+    from mmhandoff.vllm_adapter.core.connector import MMHandoffNixlConnector
+
+    book = {"a": 100.0, "b": 101.0, "c": 102.0}
+    worker = SimpleNamespace(_reqs_to_send=book)
+    connector = SimpleNamespace(connector_worker=worker)
+    assert MMHandoffNixlConnector.release_held(connector, ["c", "gone", "c"]) == 1
+    assert worker._reqs_to_send is book and list(book.items()) == [
+        ("c", 0.0), ("a", 100.0), ("b", 101.0)]
+    assert MMHandoffNixlConnector.release_held(connector, ["gone"]) == 0
+    assert MMHandoffNixlConnector.release_held(
+        SimpleNamespace(connector_worker=None), ["a"]) == 0  # a scheduler-side connector

@@ -25,7 +25,7 @@ import openai
 import pytest
 import yaml
 
-from mmhandoff.prefill.worker import VLLM_KV_LEASE_S
+from mmhandoff.prefill.worker import RELEASE_UNCLAIMED_S
 from tests.conftest import data_uri, encode, make_image
 from tests.graph_runner import Graph, Servers
 from tests.tls_certs import make_certs
@@ -761,11 +761,11 @@ def test_a_decode_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
 def test_a_router_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
     """The router is on every answer's path (it relays decode's stream): one of two router
     replicas killed -9 during 8 streams is a lost path like a lost decode replica
-    (see _killed_mid_stream); no engine holds KV once prefill's lease has passed. (A handoff
-    whose path died with the router before any chunk is retried through prefill, and the
-    frontend hands the lost call's handoff to decode again, whose claim decides who frees its
-    blocks (docs/routing.md); the bound still allows the lease, for a hand-over that finds no
-    live path. CI runs of e9fd2b3 and 862da23 met it with the lease.)"""
+    (see _killed_mid_stream); no engine holds KV within seconds, long before prefill's lease
+    (30 s) would end. (A handoff whose path died with the router before any chunk is retried
+    through prefill; the frontend hands the lost call's handoff to decode again, whose claim
+    frees its blocks, and one nobody claims is revoked and freed by prefill itself after
+    RELEASE_UNCLAIMED_S: docs/routing.md. Until December 2026 this test allowed the lease.)"""
     config = _disagg_router(tmp_path)
     spec = yaml.safe_load(Path(config).read_text())
     spec["components"]["router"]["replicas"] = 2
@@ -775,7 +775,7 @@ def test_a_router_replica_killed_mid_stream(tmp_path, image_server, agg_fp32):
     with graph.failing_loudly():
         _killed_mid_stream(graph, _questions(image_server)["data URI"], "router-0", "router-1",
                            agg_fp32)
-        _no_kv_held(graph, within_s=VLLM_KV_LEASE_S + 10)
+        _no_kv_held(graph, within_s=RELEASE_UNCLAIMED_S + 10)
         graph.stop()
 
 

@@ -92,3 +92,23 @@ def test_contract_names_are_checked_and_absences_are_explained(sources):
             assert version in sources and why
             # an absence that is no longer true would hide a real check: drop it
             assert Source(sources[version]).missing(name) is not None, (name, version)
+
+
+def test_what_prefills_release_of_unclaimed_kv_reads_of_nixls_worker(sources):
+    """core.release ends leases in the NIXL connector worker's own book (instance state, which
+    the name check cannot see): in every supported version the connector keeps its worker in
+    `connector_worker`, the book is `_reqs_to_send` {request id: lease end, perf_counter}, and
+    leases past their end are freed from it (0.26 in insertion order: release_held moves the
+    ended ones first)."""
+    import re
+
+    for version, root in sources.items():
+        nixl = root / "vllm/distributed/kv_transfer/kv_connector/v1/nixl"
+        worker = (nixl / "base_worker.py").read_text()
+        assert "self._reqs_to_send: dict[ReqId, float] = {}" in worker, version
+        assert re.search(r"now = time\.perf_counter\(\)[\s\S]{0,400}now >= expires|"
+                         r"now = time\.perf_counter\(\)[\s\S]{0,400}now < expires", worker), version
+        assert "del self._reqs_to_send[req_id]" in worker, version
+        assert "self.connector_worker = " in (nixl / "connector.py").read_text(), version
+        args = (root / "vllm/engine/arg_utils.py").read_text()
+        assert "worker_extension_cls" in args, version
