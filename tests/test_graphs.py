@@ -458,18 +458,21 @@ asyncio.run(asyncio.wait_for(main(), 60))
 """
 
 
-def _refused_without_a_certificate(graph: Graph, certs: dict[str, str]) -> None:
+def _refused_without_a_certificate(graph: Graph, certs: dict[str, str], plane=None,
+                                   on_host=lambda argv, env: (argv, env)) -> None:
     """On a plane with mutual TLS: a caller that trusts the CA but has no certificate of its own
-    reaches no endpoint (the TLS handshake fails); one with the graph's certificate does."""
+    reaches no endpoint (the TLS handshake fails); one with the graph's certificate does.
+    `plane`: (namespace, discovery folder), default the graph's; `on_host(argv, env)`: the
+    caller's command and environment on the host it runs on (tests/netns.py), default here."""
     from mmhandoff.plane.tls import tls_env
 
-    namespace, discovery = _plane_of(graph)
+    namespace, discovery = plane or _plane_of(graph)
 
     def call_as(identity: dict[str, str]) -> list:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_TCP_TLS_")}
         env.update(DYN_FILE_KV=discovery, DYN_LOG="error", **identity)
-        out = subprocess.run([sys.executable, "-c", _CALLER, f"{namespace}.decode.generate"],
-                             env=env, capture_output=True, text=True, timeout=120)
+        argv, env = on_host([sys.executable, "-c", _CALLER, f"{namespace}.decode.generate"], env)
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         assert out.stdout.strip(), out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 

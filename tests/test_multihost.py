@@ -19,6 +19,8 @@ from tests.conftest import data_uri, encode, make_image
 from tests.graph_runner import Graph, Servers
 from tests.hosted_graph import HostedGraph
 from tests.netns import DEVICE, Hosts
+from tests.test_graphs import _refused_without_a_certificate
+from tests.tls_certs import make_certs
 
 pytestmark = pytest.mark.graph
 
@@ -87,18 +89,31 @@ def _check(graph: HostedGraph, hosts: Hosts, questions: dict, agg: dict) -> None
     assert rows and all(row.endswith(f"tcp/{DEVICE}") for row in rows), transport
 
 
-@pytest.mark.parametrize("planes", ["files+tcp", "etcd+nats"])
+@pytest.mark.parametrize("planes", ["files+tcp", "etcd+nats", "files+tcp+tls"])
 def test_disagg_across_hosts_answers_as_agg(tmp_path, hosts, questions, agg_answers, planes):
+    """With `tls` (issue 35): the request plane between the hosts is mutual TLS (the YAML's
+    certificates, naming the hosts' addresses); the graph answers as agg, and a caller on the
+    client's host that trusts the CA but has no certificate of its own reaches no endpoint."""
     # NATS carries each image to prefill in the request: its max_payload (1 MiB by default)
     # raised to NATS' largest, as docs/deploy.md asks of a deployment
     servers = (Servers(tmp_path, hosts, "infra", nats_max_payload=64 * 2**20)
                if planes == "etcd+nats" else None)
     try:
         config = _config(etcd=servers.etcd_url, nats=servers.nats_url) if servers else _config()
+        certs = None
+        if planes.endswith("+tls"):
+            certs = config["tls"] = make_certs(
+                tmp_path / "certs", ips=tuple(hosts.ip(h) for h in PLACEMENT.values()))
         with HostedGraph("graphs.disagg:Frontend", config, hosts, PLACEMENT,
                          client="front") as graph:
             try:
                 _check(graph, hosts, questions, agg_answers)
+                if certs:
+                    _refused_without_a_certificate(
+                        graph, certs, (config.get("namespace", "mmhandoff"),
+                                       str(graph.run_dir / "discovery")),
+                        lambda argv, env: (hosts.command("front", argv),
+                                           {**env, **hosts.env("front")}))
             except BaseException:
                 print("".join(graph.log[-150:]))
                 raise

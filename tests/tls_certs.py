@@ -1,5 +1,5 @@
 """A certificate authority and one certificate for every component of a test graph (a server
-and client identity for 127.0.0.1), written as PEM files: what a deployment mounts from a
+and client identity for 127.0.0.1, and for the hosts' addresses where a test has hosts), written as PEM files: what a deployment mounts from a
 Secret. Made with `cryptography` (PyCA's X.509 builder), fresh per test, valid for a day."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 
-def make_certs(folder: Path) -> dict[str, str]:
-    """{ca, cert, key}: file paths under `folder`."""
+def make_certs(folder: Path, ips: tuple[str, ...] = ()) -> dict[str, str]:
+    """{ca, cert, key}: file paths under `folder`; the certificate names 127.0.0.1 and `ips`."""
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mmhandoff test CA")])
@@ -37,8 +37,8 @@ def make_certs(folder: Path) -> dict[str, str]:
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName([
-                x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
-                critical=False)
+                *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", *ips)),
+                x509.DNSName("localhost")]), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                   ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
