@@ -197,7 +197,9 @@ def test_a_decode_lost_before_its_first_token_is_retried_then_answered(loop):
     ([[LOST], [LOST], ANSWER], 3, False),  # lost twice on the way, then a decode takes it
     ([[LOST]], 3, True),  # lost every time: the lease frees the blocks; said in the log
     ([[envelope("replayed", "client")]], 1, False),  # a decode claimed it first: its pull frees
-], ids=["lost-then-taken", "lost", "claimed-first"])
+    # prefill revoked it unclaimed and freed the blocks itself (or its lease ended)
+    ([[envelope("expired", "server")]], 1, False),
+], ids=["lost-then-taken", "lost", "claimed-first", "released-by-prefill"])
 def test_handing_a_handoff_over_tries_again_when_the_call_is_lost(loop, mmhandoff_log, scripts,
                                                                   calls, warned):
     decode = Scripted(*scripts)
