@@ -108,3 +108,30 @@ def wait_for_prefill_kv(loop, engines, predicate, timeout):
             return True
         time.sleep(0.25)
     return False
+
+
+def released_at_once(loop, prefill, request_id: str) -> None:
+    """Prefill's engine takes the release of a handoff nobody claimed (core.release, through the
+    worker extension and collective_rpc): its connector held the request's blocks for a
+    consumer, ends that lease at once, and its next poll frees them (the lease book no longer
+    names the request). The prefill worker releases unclaimed handoffs this way after
+    --release-unclaimed-s."""
+    import asyncio
+
+    from mmhandoff.wire.messages import PrefillRequest
+    from tests.conftest import chat, data_uri, encode, make_image
+
+    handoff, _ = loop.run(prefill.handoff(PrefillRequest(
+        request_id=request_id, sampling=greedy(4, ignore_eos=True),
+        messages=chat("Nobody claims me.", data_uri(encode(make_image(320, 240, 11)))))))
+    held = [handoff.kv_transfer_params]
+
+    async def release_until(expected: int, within_s: float) -> None:
+        t0 = time.monotonic()
+        while (got := await prefill.engine.release_kv(held)) != expected:
+            assert time.monotonic() - t0 < within_s, got
+            await asyncio.sleep(0.05)
+
+    # the model worker learns of the held blocks at the engine's next step, then ends the lease
+    loop.run(release_until(1, 10))
+    loop.run(release_until(0, 5))  # reaped: the blocks are free, the lease book is empty of it

@@ -22,7 +22,8 @@ from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image, start
 from tests.fault_connector import MARK
-from tests.flows import agg_run, full_media_run, greedy, handoff_run, published_chain
+from tests.flows import (agg_run, full_media_run, greedy, handoff_run, published_chain,
+                          released_at_once)
 from tests.test_handoff_flow import _wait_for, continued, whole_answer
 
 pytestmark = pytest.mark.gpu
@@ -231,3 +232,8 @@ def _pixel_tensors(engine_input) -> list:
 
     walk(engine_input.get("mm_kwargs"))
     return found
+
+
+def test_prefill_frees_an_unclaimed_handoffs_blocks_on_a_gpu(loop, workers):
+    """Issue 35 on vLLM 0.26 and a GPU: as test_prefill_lease.py's test on the CPU."""
+    released_at_once(loop, workers[0], "gpu-unclaimed")

@@ -11,7 +11,8 @@ from mmhandoff.decode.worker import DecodeWorker, collect
 from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, engine_cpu_s, free_port, make_image, start
-from tests.flows import agg_run, greedy, prefill_kv_usage, wait_for_prefill_kv
+from tests.flows import (agg_run, greedy, prefill_kv_usage, released_at_once,
+                          wait_for_prefill_kv)
 
 pytestmark = pytest.mark.engine
 
@@ -99,3 +100,14 @@ def test_a_prefill_engine_holding_unpulled_kv_stops_at_once(loop, tiny_model):
     assert [p.exitcode for p in cores] == [0] * len(cores), "force-killed"
     assert took < SHUTDOWN_GRACE_S / 2, took
     assert not Path(engine.ipc_dir).exists()  # no socket files left behind
+
+
+def test_a_held_handoff_is_released_on_request_long_before_its_lease(loop, engines):
+    """Issue 35: the engine side of prefill's release of unclaimed handoffs (flows.released_at_once),
+    then prefill's KV usage is back at its baseline well before the lease (8 s) would end."""
+    prefill = PrefillWorker(engines.prefill)
+    base = prefill_kv_usage(loop, engines.prefill, engines.prefill_load, "poke-release-base")
+    t0 = time.monotonic()
+    released_at_once(loop, prefill, "release-now")
+    assert wait_for_prefill_kv(loop, engines, lambda u: u <= base, timeout=engines.lease_s)
+    assert time.monotonic() - t0 < engines.lease_s / 2
