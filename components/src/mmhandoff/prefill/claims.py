@@ -65,6 +65,7 @@ class ClaimBook:
             if expires_at is not None:  # unclaimed
                 self._revoked[nonce] = expires_at
                 released.append(params)
+        self._prune(now)
         return released
 
     def claim(self, nonce: str, request_id: str, now: float | None = None) -> None:
@@ -74,11 +75,7 @@ class ClaimBook:
         expires_at = self._open.pop(nonce, None)
         self._issued.pop(nonce, None)
         revoked = self._revoked.pop(nonce, None) is not None
-        if now >= self._next_prune:  # at most once a second
-            self._open = {n: t for n, t in self._open.items() if t >= now}
-            self._revoked = {n: t for n, t in self._revoked.items() if t >= now}
-            self._issued = {n: v for n, v in self._issued.items() if n in self._open}
-            self._next_prune = now + 1.0
+        self._prune(now)
         if revoked:
             raise Expired(f"handoff {request_id!r} was not claimed in time: its prefill "
                           "released the KV")
@@ -88,6 +85,15 @@ class ClaimBook:
                            "restarted")
         if now > expires_at:
             raise Expired(f"handoff {request_id!r} expired before decode claimed it")
+
+    def _prune(self, now: float) -> None:
+        """Forget what expired, at most once a second."""
+        if now < self._next_prune:
+            return
+        self._open = {n: t for n, t in self._open.items() if t >= now}
+        self._revoked = {n: t for n, t in self._revoked.items() if t >= now}
+        self._issued = {n: v for n, v in self._issued.items() if n in self._open}
+        self._next_prune = now + 1.0
 
     def __len__(self) -> int:
         return len(self._open)
