@@ -641,3 +641,65 @@ def test_a_handoff_expires_well_inside_prefills_kv_lease():
     for lease in (8, 30, 120):
         assert 0 < handoff_ttl(lease) <= lease - lease / 3 + 1e-9
     assert handoff_ttl(None) == HANDOFF_TTL_S < VLLM_KV_LEASE_S
+
+
+def test_a_stopping_frontend_serves_what_it_accepted_and_holds_no_connection_for_the_drain(loop):
+    """SIGTERM (Frontend.stop): new connections are refused at once; a connection accepted
+    before the stop whose request comes after it is answered (not held unread until the drain
+    ends, then closed: aiohttp's own shutdown did that for up to its timeout, 30 s, found by
+    the prefill-killed graph test); an answer in flight finishes whole; then the frontend
+    closes in well under the drain."""
+    import socket
+    import threading
+
+    gate = asyncio.Event()
+
+    class Gated(Scripted):  # decode: the answer's last chunk waits for the gate
+        async def round_robin(self, request, context=None):
+            async def stream():
+                yield Item(chunk("Hel", [5]))
+                await gate.wait()
+                yield Item(chunk("lo", [6], "length"))
+            return stream()
+
+    frontend = Frontend(Scripted([handoff_answer()]), Gated(), MODEL)
+    runner = frontend.runner()
+    url = serve_app(loop, runner)
+    port = int(url.rsplit(":", 1)[1])
+    got = {}
+
+    def ask_whole():
+        body = json.dumps({"model": MODEL, "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "Hi"}]}).encode()
+        with urllib.request.urlopen(urllib.request.Request(
+                url + "/v1/chat/completions", data=body,
+                headers={"Content-Type": "application/json"}), timeout=30) as r:
+            got["answer"] = json.loads(r.read())["choices"][0]["message"]["content"]
+    asking = threading.Thread(target=ask_whole)
+    asking.start()
+
+    async def until(condition, within_s=10):
+        t0 = time.monotonic()
+        while not condition():
+            assert time.monotonic() - t0 < within_s
+            await asyncio.sleep(0.01)
+    loop.run(until(lambda: frontend.answering == 1))
+    early = socket.create_connection(("127.0.0.1", port), timeout=10)  # its request comes later
+    loop.run(until(lambda: len(runner.server.connections) == 2))
+    stopping = asyncio.run_coroutine_threadsafe(frontend.stop(runner, drain_s=30), loop.loop)
+    loop.run(until(lambda: not runner.sites))
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=10)
+    t0 = time.monotonic()
+    early.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    reply = b""
+    while chunk_ := early.recv(65536):
+        reply += chunk_
+    assert reply.startswith(b"HTTP/1.1 200") and MODEL.encode() in reply, reply[:200]
+    assert time.monotonic() - t0 < 2  # answered during the drain, not after it
+    assert not stopping.done() and "answer" not in got  # the answer in flight: still draining
+    t0 = time.monotonic()
+    loop.loop.call_soon_threadsafe(gate.set)
+    asking.join(30)
+    stopping.result(10)
+    assert got["answer"] == "Hello" and time.monotonic() - t0 < 2

@@ -57,6 +57,12 @@ log = logging.getLogger(__name__)
 __all__ = ["Frontend", "FrontendLimits", "ApiError"]
 
 DRAIN_S = 30.0
+# What a connection still open after the drain gets before it is closed. aiohttp waits its
+# shutdown timeout for every connection, also for one accepted as the site stopped whose
+# request it had not begun to read: with DRAIN_S there, such a request was held 30 s and then
+# closed unanswered (reproduced in aiohttp 3.14 alone). The answers in flight have their
+# DRAIN_S first (Frontend.drain).
+CLOSE_S = 0.5
 
 
 # Who samples the answer's first token: prefill (streamed as soon as prefill answers; decode
@@ -78,6 +84,7 @@ class Frontend:
         self.model, self.limits = model, limits
         self.reader = RequestReader(model, limits, fetch_policy, ignored_fields)
         self.metrics = FrontendMetrics()
+        self.answering = 0  # requests being answered now (as the in-flight gauge)
         self.journey = Journey(prefill, decode, self.metrics, retries=retries,
                                migration_limit=migration_limit, stall_s=stall_s,
                                placement=placement)
@@ -94,8 +101,18 @@ class Frontend:
 
     def runner(self) -> web.AppRunner:
         # handler_cancellation: a client that disconnects cancels its handler at once.
-        # On cleanup (SIGTERM) in-flight answers get DRAIN_S to finish; `serve` waits longer.
-        return web.AppRunner(self.app(), handler_cancellation=True, shutdown_timeout=DRAIN_S)
+        # On SIGTERM `stop` drains the answers in flight first (DRAIN_S; `serve` waits longer).
+        return web.AppRunner(self.app(), handler_cancellation=True, shutdown_timeout=CLOSE_S)
+
+    async def stop(self, runner: web.AppRunner, drain_s: float = DRAIN_S) -> None:
+        """Stop taking connections, let the answers in flight finish (`drain_s` at most), then
+        close what is still open."""
+        for site in list(runner.sites):
+            await site.stop()
+        deadline = asyncio.get_running_loop().time() + drain_s
+        while self.answering and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        await runner.cleanup()
 
     @web.middleware
     async def _errors(self, request, handler):
@@ -165,6 +182,7 @@ class Frontend:
         requests = [prefill_request] if n == 1 else [_nth(prefill_request, i) for i in range(n)]
         shown = prefill_request.prompt if echo else ""  # each answer's text starts with it
         self.metrics.in_flight.inc()
+        self.answering += 1
         try:
             async with aclosing(self.journey.answers(requests, t0)) as pieces:
                 if options.stream:
@@ -189,6 +207,7 @@ class Frontend:
             raise
         finally:
             self.metrics.in_flight.dec()
+            self.answering -= 1
 
     async def _stream(self, request, api, request_id, pieces, options: StreamOptions,
                       reply_id: str, shown: str) -> web.StreamResponse:
@@ -391,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         serving_alive = serve_endpoint(rt, alive, _alive, (), endpoint=alive_endpoint)
         code = await until_stopped("frontend", alive_endpoint)
         serving_alive.cancel()
-        await runner.cleanup()  # in-flight answers finish (DRAIN_S at most)
+        await frontend.stop(runner)  # in-flight answers finish (DRAIN_S at most)
         rt.shutdown()
         return code
 
