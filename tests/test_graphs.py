@@ -854,10 +854,14 @@ def _arrivals(url: str, out: list, until: float) -> None:
         except urllib.error.HTTPError as e:
             outcome = f"{e.code} {json.loads(e.read())['error']['code']}"
         except urllib.error.URLError as e:
-            # reset: a connection still in the listen queue when the stopping frontend closed
-            # its listening socket (seen with aiohttp alone): refused, as far as a client knows
-            refused = isinstance(e.reason, (ConnectionRefusedError, ConnectionResetError))
-            outcome = "refused" if refused else repr(e)
+            if isinstance(e.reason, ConnectionRefusedError):
+                outcome = "refused"
+            elif isinstance(e.reason, ConnectionError):
+                # reset or broken pipe while sending: the stopping frontend closed a connection
+                # whose request it had not read (one still in its listen queue, or being sent)
+                outcome = "closed"
+            else:
+                outcome = repr(e)
         except ConnectionError:  # (http.client.RemoteDisconnected is one)
             outcome = "closed"
         out.append((outcome, time.monotonic() - t0))
