@@ -132,7 +132,7 @@ def test_prefill_frees_the_kv_of_a_handoff_nobody_claims(loop):
     kv = FakeKV()
     book = ClaimBook(lambda: AT)
     prefill = PrefillWorker(FakeEngine(role="prefill", kv=kv), key=KEY, claims=book,
-                            release_unclaimed_s=0.3)
+                            release_unclaimed_s=1.0)  # (claims come in ms)
     plane = Plane({AT.endpoint: (book.handle, ERRORS)})
     decode = DecodeWorker(FakeEngine(role="decode", kv=kv), keys=[KEY], claim=ClaimClient(plane))
     lost, _ = run(loop, prefill.handoff(ask("Lost?", IMAGES[0])))

@@ -61,7 +61,7 @@ DRAIN_S = 30.0
 # shutdown timeout for every connection, also for one accepted as the site stopped whose
 # request it had not begun to read: with DRAIN_S there, such a request was held 30 s and then
 # closed unanswered (reproduced in aiohttp 3.14 alone). The answers in flight have their
-# DRAIN_S first (Frontend.drain).
+# DRAIN_S first (Frontend.stop).
 CLOSE_S = 0.5
 
 
