@@ -12,7 +12,6 @@ requests' leases now; the next poll frees them as for an expired lease.
 from __future__ import annotations
 
 RELEASE_METHOD = "mmhandoff_release_kv"
-EXTENSION = "mmhandoff.vllm_adapter.core.release.HandoffRelease"
 
 
 class HandoffRelease:
