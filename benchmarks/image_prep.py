@@ -19,6 +19,9 @@ Beside them, candidates that would do the same work faster, each timed the same 
   the three together; "diff": its model input against the default's);
 - the channels-first path: the same array copied once more into a contiguous (3, height, width)
   array, which the processor takes without transposing a strided view ("CHW path", its "diff");
+- the presized path: the image brought to the processor's resize size (media.presize, as the
+  media processes do it), then the processor on that ("presize + process", "presized diff");
+  "process presized" is the renderer's share of it, what vLLM's one thread still does;
 - sha256 over the same pixels (the identity's hash function until 2026-12-06);
 - blake3 over the compressed bytes (a different contract: the same picture sent as JPEG and as
   PNG would get two identities);
@@ -138,6 +141,15 @@ def one(name: str, data: bytes, fmt: str, proc, threads: list[int], reps: int) -
         return proc(images=np.ascontiguousarray(pixels.transpose(2, 0, 1)), return_tensors="pt")
     row["CHW path"], out = timed(on_threads(threads[0], chw_path), reps)
     row["CHW diff"] = float((out["pixel_values"] - ref_pixels).abs().max())
+    import copy
+
+    from mmhandoff.media.presize import Presizer
+
+    presize = Presizer(copy.deepcopy(proc))
+    row["presize"], small = timed(on_threads(threads[0], lambda: presize(image)), reps)
+    row["process presized"], out = timed(
+        on_threads(threads[0], lambda: proc(images=small, return_tensors="pt")), reps)
+    row["presized diff"] = float((out["pixel_values"] - ref_pixels).abs().max())
     row["sha256 pixels"], _ = timed(lambda: hashlib.sha256(image.tobytes()).hexdigest(), reps)
     row["blake3 bytes"], _ = timed(
         lambda: blake3.blake3(raw, max_threads=blake3.blake3.AUTO).hexdigest(), reps)
@@ -160,9 +172,9 @@ def report(rows: list[dict], threads: list[int]) -> None:
           "in brackets\n")
     print("| image | bytes | base64 | decode | hash | process |" + more + " total | "
           "threads diff | array path (vs hash + process) / diff | CHW path / diff | "
-          "sha256 pixels | "
+          "presize + process presized / diff | sha256 pixels | "
           "blake3 bytes | draft decode + process / max diff |")
-    print("|---" * (13 + len(threads) - 1) + "|")
+    print("|---" * (14 + len(threads) - 1) + "|")
     for r in rows:
         def share(k):
             return f"{r[k]:.1f} ({r[k] / r['total']:.0%})"
@@ -174,6 +186,7 @@ def report(rows: list[dict], threads: list[int]) -> None:
               f"{r['total']:.1f} | {r['threads diff']:.3f} | {r['array path']:.1f} "
               f"({r['hash'] + r['process']:.1f}) / {r['diff']:.3f} | "
               f"{r['CHW path']:.1f} / {r['CHW diff']:.3f} | "
+              f"{r['presize']:.1f} + {r['process presized']:.1f} / {r['presized diff']:.3f} | "
               f"{r['sha256 pixels']:.1f} | {r['blake3 bytes']:.1f} | {draft} |")
 
 

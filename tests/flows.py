@@ -135,3 +135,25 @@ def released_at_once(loop, prefill, request_id: str) -> None:
     # the model worker learns of the held blocks at the engine's next step, then ends the lease
     loop.run(release_until(1, 10))
     loop.run(release_until(0, 5))  # reaped: the blocks are free, the lease book is empty of it
+
+
+def rendered_input(loop, prompts, request_id: str, messages) -> tuple:
+    """What `prompts` (a PromptBuilder on a vLLM engine) has the engine compute for `messages`:
+    the token ids, each item's identity and span, and each item's processed tensors. The render
+    is then discarded, so the next render of the same images processes them again."""
+    request = PrefillRequest(request_id=request_id, messages=messages, sampling=greedy(1))
+    media = loop.run(prompts.media(request))
+    rendered = loop.run(prompts.render(request, media))
+    prompts.engine.discard(rendered)
+    processed = [None if item is None else item.get_data()
+                 for items in rendered.engine_input["mm_kwargs"].values() for item in items]
+    return rendered.token_ids, rendered.features, processed
+
+
+def assert_same_tensors(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x is not None and y is not None  # processed here, not taken from a cache
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k].shape == y[k].shape and bool((x[k] == y[k]).all()), k

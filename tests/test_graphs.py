@@ -264,12 +264,15 @@ def agg_answers(tmp_path_factory, image_server):
 FP32 = ["--engine-arg", "dtype=float32"]
 
 
-def _with_engine_args(config: str, tmp: Path, args: list[str]) -> str:
+def _with_engine_args(config: str, tmp: Path, args: list[str],
+                      components: tuple[str, ...] | None = None) -> str:
+    """`config` with `args` added to each engine component's (or to `components`')."""
     spec = yaml.safe_load(Path(config).read_text())
     for name, component in spec["components"].items():
-        if name not in ("frontend", "router"):
+        if name in (components or ()) or (components is None and
+                                           name not in ("frontend", "router")):
             component["args"] = [*component.get("args", []), *args]
-    out = tmp / f"fp32-{Path(config).name}"
+    out = tmp / f"with-args-{Path(config).name}"
     out.write_text(yaml.safe_dump(spec))
     return str(out)
 
@@ -381,9 +384,13 @@ def _vllm_bench(url: str, tmp: Path, tokenizer: str, n: int = 6, out: int = 8) -
 
 def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers, tiny_model):
     """With mutual TLS on the request plane (the YAML's `tls`, issue 35): the handoff, decode's
-    claim at prefill and every answer cross it; a client without a certificate is refused."""
+    claim at prefill and every answer cross it; a client without a certificate is refused.
+    Prefill prepares images in a media process (media.pool, presized; agg in its threads):
+    the answers are still agg's."""
     certs = make_certs(tmp_path / "certs")
-    graph = Graph("graphs.disagg:Frontend", "configs/disagg.yaml", tmp_path,
+    config = _with_engine_args("configs/disagg.yaml", tmp_path, ["--media-workers", "1"],
+                               components=("prefill",))
+    graph = Graph("graphs.disagg:Frontend", config, tmp_path,
                   frontend_args=ALLOW_LOOPBACK_IMAGES, tls=certs)
     with graph.failing_loudly():
         questions = _questions(image_server)

@@ -31,7 +31,14 @@ from tests.conftest import (
     start,
     video_chat,
 )
-from tests.flows import agg_run, full_media_run, greedy, handoff_run
+from tests.flows import (
+    agg_run,
+    assert_same_tensors,
+    full_media_run,
+    greedy,
+    handoff_run,
+    rendered_input,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -109,6 +116,27 @@ def test_parity_handoff_agg_full_media(loop, qwen, case):
     if case == "two-images":  # one landscape, one portrait
         assert grids[0].w > grids[0].h and grids[1].h > grids[1].w
     assert last.stats.request_bytes < 4096 < sum(map(len, blobs))  # metadata only
+
+
+def test_images_from_the_media_pool_are_the_same_engine_input(loop, qwen):
+    """media.pool with the presizer this engine checked: the same token ids, identities, spans,
+    grids and processed tensors as images prepared in the worker's threads
+    (test_media_pool_engine.py: the same for LLaVA)."""
+    from mmhandoff.engine.prompt import PromptBuilder
+
+    engine = qwen[0].engine
+    assert engine.presizer() is not None
+    pooled, threads = PromptBuilder(engine, media_workers=1), PromptBuilder(engine)
+    pooled.start()
+    try:
+        for case in ("12mp-jpeg", "two-images"):
+            messages = _messages(_blobs(case))
+            a = rendered_input(loop, pooled, f"q-pool-{case}", messages)
+            b = rendered_input(loop, threads, f"q-threads-{case}", messages)
+            assert a[0] == b[0] and a[1] == b[1]
+            assert_same_tensors(a[2], b[2])
+    finally:
+        pooled.close()
 
 
 def test_answers_depend_on_the_image(loop, qwen):

@@ -24,9 +24,9 @@ from mmhandoff.wire.messages import DecodeChunk, PrefillRequest
 
 
 class AggWorker:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, media_workers: int = 0) -> None:
         self.engine = engine
-        self.prompts = PromptBuilder(engine)
+        self.prompts = PromptBuilder(engine, media_workers=media_workers)
 
     async def generate(self, request: PrefillRequest) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
@@ -46,8 +46,11 @@ class AggWorker:
             async for chunk in chunks:
                 yield chunk
 
-    async def warm_up(self) -> None:  # the engine's warm-up is all agg needs
-        pass
+    async def warm_up(self) -> None:
+        self.prompts.start()
+
+    def close(self) -> None:
+        self.prompts.close()
 
     async def handle(self, request: dict) -> AsyncIterator[dict]:
         """Dynamo endpoint handler: a PrefillRequest (data-URI images) in, DecodeChunks out."""
@@ -64,9 +67,11 @@ ERRORS = (ImageError, InvalidRequest, EngineInputError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmhandoff.process.engine_worker import run
+    from mmhandoff.process.engine_worker import media_workers, run
 
-    return run("agg", "agg", ENDPOINT, lambda engine, context: AggWorker(engine), ERRORS, argv)
+    return run("agg", "agg", ENDPOINT,
+               lambda engine, context: AggWorker(engine, media_workers(context.args)),
+               ERRORS, argv)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,12 @@ class Engine(Protocol):
         from the engine's cache of processed items; PixelsNeeded if it is not there."""
         ...
 
+    def presizer(self) -> Any:
+        """A picklable callable that brings an image to the size the engine's image processor
+        resizes it to, with the model's input unchanged (media.presize), checked once here; None
+        where the engine has none or its exactness is not known."""
+        ...
+
     def load_video(self, data_uri: str) -> tuple[Any, dict[str, Any]]:
         """A video's frames sampled as the engine's own server samples them for its model, and
         their metadata; a ValueError for data it cannot read."""

@@ -107,6 +107,9 @@ class FakeEngine:
             out.append(f"<|{m['role']}|> {content}")
         return " ".join(out) + " <|assistant|>"
 
+    def presizer(self):  # it processes no pixels
+        return None
+
     def load_video(self, data_uri: str):
         raise EngineInputError("the fake engine takes no video")
 

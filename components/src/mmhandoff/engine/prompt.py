@@ -9,7 +9,10 @@ and the image goes to the engine without pixels, which vLLM's cache of processed
 supplies (a 12 MP JPEG: ~190 ms of decoding and pixel hashing become ~1.5 ms of blake3). If the
 engine no longer holds it (PixelsNeeded), the images are decoded and rendered again. The same
 bytes always decode to the same pixels, so the content hash, and every block hash after it, are
-the decode's. Videos go the same way."""
+the decode's. Videos go the same way.
+
+With a media pool (media.pool), a first-seen image is decoded, hashed and presized in one of the
+pool's processes instead of a thread of this one."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from mmhandoff.media.images import (
     data_uri_bytes,
     load_image_ref,
 )
+from mmhandoff.media.pool import MediaPool
 from mmhandoff.media.videos import (
     InvalidVideo,
     LoadedVideo,
@@ -68,13 +72,28 @@ DECODED_MEMO = 4096  # data URIs whose decode the memo remembers (~150 bytes eac
 
 class PromptBuilder:
     def __init__(self, engine: Engine, limits: ImageLimits = ImageLimits(),
-                 video_limits: VideoLimits = VideoLimits()) -> None:
+                 video_limits: VideoLimits = VideoLimits(), media_workers: int = 0) -> None:
+        """`media_workers`: processes that prepare images (media.pool), started by `start`;
+        0: this process's threads do."""
         self.engine = engine
         self.limits = limits
         self.video_limits = video_limits
+        self.media_workers = media_workers
+        self.pool: MediaPool | None = None
         # blake3 of a data URI -> (content hash, byte size) of its decode, least recent first
         self._decoded: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._lock = threading.Lock()  # images are loaded in worker threads
+
+    def start(self) -> None:
+        """The media processes, ready (blocks; call it from the main thread: see media.pool)."""
+        if self.media_workers and self.pool is None:
+            self.pool = MediaPool(self.media_workers, self.engine.presizer())
+            self.pool.start()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     def text(self, request: PrefillRequest) -> str:
         if request.prompt is not None:  # completions: the text as given, no template, no images
@@ -106,7 +125,12 @@ class PromptBuilder:
                 self._decoded.move_to_end(key)
         if known is not None:
             return (LoadedVideo if video else LoadedImage)(None, *known)
-        item = self._load_video(ref) if video else load_image_ref(ref, self.limits)
+        if video:
+            item = self._load_video(ref)
+        elif self.pool is not None:
+            item = self.pool.load_image(ref, self.limits)
+        else:
+            item = load_image_ref(ref, self.limits)
         if key is not None:  # (a file's contents may change: not remembered)
             with self._lock:
                 self._decoded[key] = (item.content_hash, item.source_bytes)

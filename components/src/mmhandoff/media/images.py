@@ -2,7 +2,9 @@
 
 An image's identity is a hash of its decoded pixels (mode, size, RGB bytes), not of the bytes it
 arrived as: the same picture sent as PNG, as a data URI or from a file gets one identity, so its
-KV blocks are shared across requests and the router can find them. The hash is BLAKE3 (the
+KV blocks are shared across requests and the router can find them. The pixels are the ones the
+model sees: turned upright by their EXIF orientation and made RGB as vLLM's own media parsing
+does (transparent pixels onto white), so two pictures with one identity are one model input. The hash is BLAKE3 (the
 `blake3` package, already a dependency for the decode memo): about half SHA-256's time on a
 12 MP image's 36 MB on one core, and it spreads over the host's cores.
 """
@@ -16,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blake3 import blake3
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
-# v2: BLAKE3 (v1 was SHA-256). Another domain, so that no identity of one scheme equals one of the
-# other: replicas of two versions only miss each other's cache.
-HASH_DOMAIN = b"mmhandoff.image.v2\0"
+# v3: the pixels upright by their EXIF orientation, transparency on white (v2: as stored; v1:
+# SHA-256). Another domain each time, so that no identity of one scheme equals one of another:
+# replicas of two versions only miss each other's cache.
+HASH_DOMAIN = b"mmhandoff.image.v3\0"
 
 
 class ImageError(ValueError):
@@ -79,11 +82,39 @@ def decode_rgb(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
             probe.load()  # decodes fully; truncated files fail here
             # an RGB image (most JPEGs) as decoded: convert() would copy it (a third of the
             # decode's time at 12 MP)
-            return probe if probe.mode == "RGB" else probe.convert("RGB")
+            return as_rgb(upright(probe))
     except ImageTooLarge:
         raise
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
         raise ImageError(f"data is not a readable image: {e}") from None
+
+
+EXIF_ORIENTATION = 0x0112
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """The image turned as its EXIF orientation says, as vLLM turns every image it is given
+    (`normalize_image`): the identity must hash what the model sees. An image already upright
+    (most) is not copied; an unreadable EXIF block leaves it as it is, as there."""
+    try:
+        if image.getexif().get(EXIF_ORIENTATION, 1) == 1:
+            return image
+        return ImageOps.exif_transpose(image)
+    except Exception:
+        return image
+
+
+def as_rgb(image: Image.Image) -> Image.Image:
+    """RGB as vLLM's `convert_image_mode(image, "RGB")` makes it: transparent pixels composited
+    onto white (PIL's own convert would keep the colours under them)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        white = Image.new("RGB", rgba.size, (255, 255, 255))
+        white.paste(rgba, mask=rgba.split()[3])
+        return white
+    return image.convert("RGB")
 
 
 class InvalidBase64(ImageError):

@@ -107,15 +107,17 @@ class PrefillWorker:
                  ttl_s: float = HANDOFF_TTL_S, router=None, bypass_max_tokens: int = 0,
                  publish_prefixes: Callable[[dict[str, list]], None] | None = None,
                  claims: ClaimBook | None = None,
-                 release_unclaimed_s: float = RELEASE_UNCLAIMED_S) -> None:
+                 release_unclaimed_s: float = RELEASE_UNCLAIMED_S,
+                 media_workers: int = 0) -> None:
         """`key`: sign every handoff with it, with a nonce and an expiry `ttl_s` from now
         (decode is given the same key). `router` (a RouterLookup) and `bypass_max_tokens` > 0:
         skip the engine for a prompt a decode replica can answer from its own cache (bypass).
         `claims`: with a key, each handoff that names KV names this prefill as where to claim
         it, and the book grants it once (prefill.claims); one unclaimed after
-        `release_unclaimed_s` is revoked and its blocks freed (0: left to the lease)."""
+        `release_unclaimed_s` is revoked and its blocks freed (0: left to the lease).
+        `media_workers`: processes that prepare images (media.pool), started at warm-up."""
         self.engine = engine
-        self.prompts = PromptBuilder(engine, limits)
+        self.prompts = PromptBuilder(engine, limits, media_workers=media_workers)
         self.key, self.ttl_s = key, ttl_s
         self.router, self.bypass_max_tokens = router, bypass_max_tokens
         # what each image key's prefix is in this engine's blocks, for the router's placement
@@ -125,8 +127,11 @@ class PrefillWorker:
         self.release_unclaimed_s = release_unclaimed_s
         self._releasing: asyncio.Task | None = None  # while handoffs wait for their claims
 
-    async def warm_up(self) -> None:  # the engine's warm-up is all prefill needs
-        pass
+    async def warm_up(self) -> None:
+        self.prompts.start()
+
+    def close(self) -> None:
+        self.prompts.close()
 
     def side_handler(self, name: str):
         """The claim endpoint's handler (prefill.claims), the process's one side endpoint; with

@@ -65,10 +65,14 @@ def parser(role: str) -> argparse.ArgumentParser:
                             "was issued (its delivery lost) is revoked and its KV freed, instead "
                             "of held until --kv-lease-s ends (0: left to the lease)")
     if role in ("agg", "prefill"):
-        p.add_argument("--renderer-torch-threads", type=_threads, metavar="N|auto",
+        p.add_argument("--renderer-torch-threads", type=_count_or_auto(1), metavar="N|auto",
                        help="torch threads vLLM's renderer processes each image on (default: "
                             "vLLM's, one unless the process has OMP_NUM_THREADS; auto: up to 8, "
                             "no more than the process's cores); set once the engine is up")
+        p.add_argument("--media-workers", type=_count_or_auto(0), default="auto", metavar="N|auto",
+                       help="processes that decode, hash and presize images (media.pool; 0: "
+                            "the worker's own threads); auto: half the process's cores, at most "
+                            "8, none on a host of fewer than 8 cores")
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg,
                    metavar="NAME=VALUE",
                    help="passed to vLLM's engine arguments as is, after mmhandoff's own (VALUE "
@@ -90,16 +94,28 @@ def _engine_arg(value: str) -> tuple[str, Any]:
         return name, raw
 
 
-def _threads(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {value!r}")
-    return n
+def _count_or_auto(minimum: int) -> Callable[[str], int | str]:
+    """An argparse type: "auto", or an integer of at least `minimum`."""
+    def parse(value: str) -> int | str:
+        if value == "auto":
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            n = minimum - 1
+        if n < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer of at least {minimum}, or auto; got {value!r}")
+        return n
+
+    return parse
+
+
+def media_workers(args: argparse.Namespace) -> int:
+    """The media processes `--media-workers` asks for (media.pool)."""
+    from mmhandoff.media.pool import auto_workers
+
+    return auto_workers() if args.media_workers == "auto" else args.media_workers
 
 
 def _ip(value: str) -> str:
@@ -267,4 +283,7 @@ async def _serve(args, spec_role, endpoint, make_worker, errors, side_endpoints)
         task.cancel()
     subscriber.close()
     engine.shutdown()
+    close = getattr(worker, "close", None)  # what the worker started besides (media processes)
+    if close is not None:
+        close()
     return code

@@ -31,18 +31,22 @@ class Family:
     positions: str = "none"  # the position state the handoff carries: "none" or "grids"
     video_seconds: bool = False
     video_frames: str = "run"  # "run" or "brackets"
+    # images brought to the processor's resize size in the media processes (media.presize):
+    # the same model input, pinned by tests/test_presize.py and test_media_pool_engine.py
+    presize: bool = False
 
 
 FAMILIES = (
-    Family("LLaVA", ("llava",), media=("image",)),
-    Family("Qwen2-VL", ("qwen2_vl",), media=("image", "video"), positions="grids"),
+    Family("LLaVA", ("llava",), media=("image",), presize=True),
+    Family("Qwen2-VL", ("qwen2_vl",), media=("image", "video"), positions="grids",
+           presize=True),
     Family("Qwen2.5-VL", ("qwen2_5_vl",), media=("image", "video"), positions="grids",
-           video_seconds=True),
+           video_seconds=True, presize=True),
     # interleaved M-RoPE and deepstack: the positions still come from each item's grid alone
     # (vLLM's `_iter_mm_grid_hw`), and deepstack's features are in prefill's KV; a video's
     # timestamps are text in the prompt
     Family("Qwen3-VL", ("qwen3_vl",), media=("image", "video"), positions="grids",
-           video_frames="brackets"),
+           video_frames="brackets", presize=True),
 )
 
 

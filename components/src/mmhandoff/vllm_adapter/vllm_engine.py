@@ -127,6 +127,11 @@ class VllmEngine:
         return {m: self._grids.resolve(ids, rendered.get(m) or [None] * len(ids))
                 for m, (_, ids) in by_modality.items()}
 
+    def presizer(self):
+        from mmhandoff.vllm_adapter.presize import engine_presizer
+
+        return engine_presizer(self.llm)
+
     def load_video(self, data_uri: str):
         return load_video(self.llm, data_uri)
 

@@ -19,18 +19,14 @@ process's. Set `MMHANDOFF_PARENT_DEATH=default` to leave vLLM's behaviour.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import logging
 import multiprocessing
 import os
-import signal
 import sys
 
-ENV = "MMHANDOFF_PARENT_DEATH"
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
+from mmhandoff.process.parent_death import die_with_parent
 
-log = logging.getLogger(__name__)
+ENV = "MMHANDOFF_PARENT_DEATH"
 
 
 def enabled() -> bool:
@@ -70,16 +66,3 @@ def _wrap_entry() -> None:
 
     run_engine_core.mmhandoff_parent_death = True
     EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
-
-
-def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies; exit now if it has died already."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        log.warning(f"[mmhandoff] prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): "
-                    "this engine core may outlive its parent")
-        return
-    # the parent may have died between this process's start and the prctl: then it was
-    # re-parented already and no signal will come
-    if os.getppid() != multiprocessing.parent_process().pid:
-        os._exit(1)

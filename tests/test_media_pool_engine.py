@@ -1,0 +1,129 @@
+"""Images prepared in media processes (media.pool) give vLLM's renderer the same work to do as
+images prepared in the worker's threads: the same token ids, identities, spans and processed
+tensors, bit for bit, with the presizer the engine itself checked (tiny LLaVA on vLLM's CPU
+engine; the Qwen families: test_qwen2_vl.py). And the pool's own behaviour: typed errors from
+its processes, a dead process not losing requests, nothing left running after close."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+
+import psutil
+import pytest
+from PIL import Image
+
+from mmhandoff.engine.fake import FakeEngine
+from mmhandoff.engine.prompt import PromptBuilder
+from mmhandoff.media.images import ImageLimits, ImageTooLarge, InvalidBase64, load_image_ref
+from mmhandoff.media.pool import MediaPool, auto_workers
+from tests.conftest import chat, data_uri, encode, make_image
+from tests.flows import assert_same_tensors, rendered_input
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def builders(engines):
+    """The prefill engine's PromptBuilder with a media process, and one without."""
+    pooled = PromptBuilder(engines.prefill, media_workers=1)
+    pooled.start()
+    yield pooled, PromptBuilder(engines.prefill)
+    pooled.close()
+
+
+def exif_turned_jpeg(seed: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored on its side: shown turned 90 degrees
+    buf = io.BytesIO()
+    make_image(900, 500, seed).save(buf, format="JPEG", quality=92, exif=exif.tobytes())
+    return buf.getvalue()
+
+
+CASES = {
+    "2000x1500-jpeg": lambda: [(encode(make_image(2000, 1500, 41), "JPEG"), "image/jpeg")],
+    "333x500-png": lambda: [(encode(make_image(333, 500, 42)), "image/png")],
+    "exif-turned-jpeg": lambda: [(exif_turned_jpeg(43), "image/jpeg")],
+    "two-images": lambda: [(encode(make_image(1200, 300, 44)), "image/png"),
+                           (encode(make_image(640, 480, 45), "JPEG"), "image/jpeg")],
+}
+
+
+def test_the_engine_checked_its_presizer(engines, builders):
+    pooled, _ = builders
+    assert engines.prefill.presizer() is not None
+    assert pooled.pool is not None and pooled.pool.presizes
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_images_from_the_pool_are_the_same_engine_input(loop, builders, case):
+    pooled, threads = builders
+    messages = chat("What is in the pictures?",
+                    *(data_uri(b, mime) for b, mime in CASES[case]()))
+    ids_a, features_a, tensors_a = rendered_input(loop, pooled, f"pool-{case}", messages)
+    ids_b, features_b, tensors_b = rendered_input(loop, threads, f"threads-{case}", messages)
+    assert ids_a == ids_b
+    assert features_a == features_b  # identities (of the full pixels) and spans
+    assert_same_tensors(tensors_a, tensors_b)
+
+
+def test_the_pool_sends_the_processor_a_small_image(builders):
+    pooled, _ = builders
+    ref = data_uri(encode(make_image(2000, 1500, 46), "JPEG"), "image/jpeg")
+    item = pooled.pool.load_image(ref, ImageLimits())
+    assert item.image.width * item.image.height <= 0.5 * 2000 * 1500
+    assert item.content_hash == load_image_ref(ref).content_hash
+    assert item.source_bytes == load_image_ref(ref).source_bytes
+
+
+def test_errors_come_back_typed_from_the_pool(builders):
+    pool = builders[0].pool
+    with pytest.raises(InvalidBase64):
+        pool.load_image("data:image/png;base64,!!!!", ImageLimits())
+    with pytest.raises(ImageTooLarge):
+        pool.load_image(data_uri(encode(make_image(300, 200, 1))), ImageLimits(max_pixels=1000))
+
+
+def test_a_dead_media_process_loses_no_request_and_close_leaves_nothing(loop):
+    """Without a presizer (the fake engine has none) the pool decodes and hashes only."""
+    prompts = PromptBuilder(FakeEngine(), media_workers=1)
+    prompts.start()
+    pool = prompts.pool
+    assert not pool.presizes
+    (pid,) = pool.start()  # started already: the same process answers
+    ref = data_uri(encode(make_image(320, 240, 47)))
+    expected = load_image_ref(ref)
+    assert pool.load_image(ref, ImageLimits()) == expected
+    os.kill(pid, signal.SIGKILL)
+    psutil.Process(pid).wait(10)
+    assert pool.load_image(ref, ImageLimits()) == expected  # in this process's thread now
+    prompts.close()
+    assert pid not in {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def test_a_media_process_dies_with_its_worker():
+    """process.parent_death: a worker killed by SIGKILL leaves no media process behind."""
+    import subprocess
+    import sys
+
+    code = ("from mmhandoff.media.pool import MediaPool\n"
+            "pool = MediaPool(1)\n"
+            "print(pool.start()[0], flush=True)\n"
+            "import signal\n"
+            "signal.pause()\n")  # until killed
+    worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(worker.stdout.readline()))
+        worker.kill()
+        worker.wait(10)
+        child.wait(10)  # psutil.TimeoutExpired if it outlived the worker
+    finally:
+        worker.kill()
+
+
+def test_auto_starts_none_on_a_small_host_and_half_the_cores_on_a_large_one():
+    assert auto_workers(2) == auto_workers(4) == 0
+    assert auto_workers(8) == 4 and auto_workers(16) == 8 and auto_workers(128) == 8
+    with pytest.raises(ValueError):
+        MediaPool(0)
