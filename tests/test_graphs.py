@@ -406,6 +406,8 @@ def test_disagg_graph_answers_as_agg(tmp_path, image_server, agg_answers, tiny_m
         for *_, stats in answers.values():
             assert 0 < stats["first_token_at"] < stats["admitted_at"], stats
         assert any(line.startswith("[decode-0]") for line in graph.log)
+        assert any(line.startswith("[prefill-0]") and "1 media process(es) prepare images, "
+                   "presized" in line for line in graph.log)
         health = graph.health_urls()  # every replica reports ready (workers: Dynamo's server)
         assert sorted(health) == ["decode-0", "frontend-0", "prefill-0"]
         for url in health.values():

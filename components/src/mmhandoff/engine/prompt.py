@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,9 @@ from mmhandoff.media.videos import (
     content_hash,
 )
 from mmhandoff.wire.messages import ChatMessage, ImagePart, PrefillRequest, VideoPart, media_url
+
+
+log = logging.getLogger(__name__)
 
 
 class InvalidRequest(ValueError):
@@ -87,8 +92,12 @@ class PromptBuilder:
     def start(self) -> None:
         """The media processes, ready (blocks; call it from the main thread: see media.pool)."""
         if self.media_workers and self.pool is None:
+            t0 = time.monotonic()
             self.pool = MediaPool(self.media_workers, self.engine.presizer())
             self.pool.start()
+            log.info(f"[mmhandoff] {self.media_workers} media process(es) prepare images, "
+                     f"{'presized' if self.pool.presizes else 'at their own size'} "
+                     f"(started in {time.monotonic() - t0:.1f} s)")
 
     def close(self) -> None:
         if self.pool is not None:
