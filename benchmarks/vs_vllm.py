@@ -261,6 +261,10 @@ def start_profilers(servers: list[Server], out_dir: Path, arm: str) -> list:
             line = " ".join(p.cmdline())
             role = next((r for r in ("frontend", "agg", "prefill", "decode", "api_server")
                          if f"mmhandoff.{r}" in line or f"openai.{r}" in line), None)
+            if role is None and "spawn_main" in line:  # a worker's media process (media.pool)
+                parent = " ".join(p.parent().cmdline())
+                owner = next((r for r in ("agg", "prefill") if f"mmhandoff.{r}" in parent), None)
+                role = None if owner is None else f"{owner}-media-{p.pid}"
             if role is None or "VLLM" in p.name():
                 continue
             procs.append(subprocess.Popen(
