@@ -127,3 +127,22 @@ def test_the_kv_layout_of_a_graphs_engines_is_one_environment_setting(monkeypatc
     assert engine_spec(args, "decode").kv_blocks_across_layers  # one descriptor per block
     monkeypatch.setenv(KV_PER_LAYER_ENV, "1")
     assert not engine_spec(args, "prefill").kv_blocks_across_layers
+
+
+def test_media_workers_are_a_count_or_auto_on_the_image_processing_roles(monkeypatch, capsys):
+    from mmhandoff.media import pool
+    from mmhandoff.process.engine_worker import media_workers
+
+    for role in ("agg", "prefill"):
+        assert media_workers(parser(role).parse_args(["--media-workers", "0"])) == 0
+        assert media_workers(parser(role).parse_args(["--media-workers", "3"])) == 3
+        monkeypatch.setattr(pool, "host_cores", lambda: 16)
+        assert media_workers(parser(role).parse_args([])) == 8  # auto, the default
+        monkeypatch.setattr(pool, "host_cores", lambda: 2)
+        assert media_workers(parser(role).parse_args([])) == 0
+        for bad in ("-1", "many", "1.5"):
+            with pytest.raises(SystemExit):
+                parser(role).parse_args(["--media-workers", bad])
+            assert "expected an integer of at least 0, or auto" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # decode prepares no media
+        parser("decode").parse_args(["--media-workers", "2"])
