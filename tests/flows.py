@@ -157,3 +157,25 @@ def assert_same_tensors(a: list, b: list) -> None:
         assert x.keys() == y.keys()
         for k in x:
             assert x[k].shape == y[k].shape and bool((x[k] == y[k]).all()), k
+
+
+def assert_pooled_renders_alike(loop, engine, questions: dict[str, list],
+                                media_workers: int = 1) -> None:
+    """Each question's images prepared in media processes (media.pool, presized with the
+    presizer `engine` checked) render as the same engine input as in the worker's threads. The
+    images must be ones no earlier test sent `engine` (its processed-image cache would send
+    them by hash alone)."""
+    from mmhandoff.engine.prompt import PromptBuilder
+
+    assert engine.presizer() is not None
+    pooled, threads = PromptBuilder(engine, media_workers=media_workers), PromptBuilder(engine)
+    pooled.start()
+    try:
+        for name, messages in questions.items():
+            ids_a, features_a, tensors_a = rendered_input(loop, pooled, f"pool-{name}", messages)
+            ids_b, features_b, tensors_b = rendered_input(loop, threads, f"threads-{name}",
+                                                          messages)
+            assert ids_a == ids_b and features_a == features_b
+            assert_same_tensors(tensors_a, tensors_b)
+    finally:
+        pooled.close()

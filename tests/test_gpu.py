@@ -22,8 +22,8 @@ from mmhandoff.prefill.worker import PrefillWorker
 from mmhandoff.wire.messages import PrefillRequest
 from tests.conftest import chat, data_uri, encode, free_port, make_image, start
 from tests.fault_connector import MARK
-from tests.flows import (agg_run, assert_same_tensors, full_media_run, greedy, handoff_run,
-                          published_chain, released_at_once, rendered_input)
+from tests.flows import (agg_run, assert_pooled_renders_alike, full_media_run, greedy,
+                          handoff_run, published_chain, released_at_once)
 from tests.test_handoff_flow import _wait_for, continued, whole_answer
 
 pytestmark = pytest.mark.gpu
@@ -216,24 +216,12 @@ def test_images_from_the_media_pool_are_the_same_engine_input_on_a_gpu(loop, gpu
     """Issue 37 on vLLM 0.26: the engine finds its presizer (the image processor its renderer
     calls, read through vLLM's processor), and a 12 MP photo presized in a media process is
     the same engine input as the photo itself (test_media_pool_engine.py on the CPU)."""
-    from mmhandoff.engine.prompt import PromptBuilder
-
     engines, _ = gpu
-    prefill = engines["prefill"]
-    assert prefill.presizer() is not None
-    pooled, threads = PromptBuilder(prefill, media_workers=2), PromptBuilder(prefill)
-    pooled.start()
-    try:
-        for case in ("12mp", "two-images"):
-            messages = chat("What is this?", *(
-                data_uri(encode(make_image(w, h, 60 + seed), fmt), f"image/{fmt.lower()}")
-                for w, h, fmt, seed in CASES[case]))
-            a = rendered_input(loop, pooled, f"gpu-pool-{case}", messages)
-            b = rendered_input(loop, threads, f"gpu-threads-{case}", messages)
-            assert a[0] == b[0] and a[1] == b[1]
-            assert_same_tensors(a[2], b[2])
-    finally:
-        pooled.close()
+    assert_pooled_renders_alike(loop, engines["prefill"], {
+        case: chat("What is this?", *(
+            data_uri(encode(make_image(w, h, 60 + seed), fmt), f"image/{fmt.lower()}")
+            for w, h, fmt, seed in CASES[case]))
+        for case in ("12mp", "two-images")}, media_workers=2)
 
 
 def _pixel_tensors(engine_input) -> list:

@@ -33,11 +33,10 @@ from tests.conftest import (
 )
 from tests.flows import (
     agg_run,
-    assert_same_tensors,
+    assert_pooled_renders_alike,
     full_media_run,
     greedy,
     handoff_run,
-    rendered_input,
 )
 
 pytestmark = pytest.mark.engine
@@ -122,25 +121,11 @@ def test_images_from_the_media_pool_are_the_same_engine_input(loop, qwen):
     """media.pool with the presizer this engine checked: the same token ids, identities, spans,
     grids and processed tensors as images prepared in the worker's threads
     (test_media_pool_engine.py: the same for LLaVA)."""
-    from mmhandoff.engine.prompt import PromptBuilder
-
-    engine = qwen[0].engine
-    assert engine.presizer() is not None
-    pooled, threads = PromptBuilder(engine, media_workers=1), PromptBuilder(engine)
-    pooled.start()
-    try:
-        # images no other test sends: one already in the engine's processed-image cache would
-        # be sent by its hash alone
-        for case, blobs in {"12mp": [encode(make_image(4000, 3000, 91), "JPEG")],
-                            "two": [encode(make_image(320, 240, 92)),
-                                    encode(make_image(120, 360, 93), "JPEG")]}.items():
-            messages = _messages(blobs)
-            a = rendered_input(loop, pooled, f"q-pool-{case}", messages)
-            b = rendered_input(loop, threads, f"q-threads-{case}", messages)
-            assert a[0] == b[0] and a[1] == b[1]
-            assert_same_tensors(a[2], b[2])
-    finally:
-        pooled.close()
+    # images no other test sends (see assert_pooled_renders_alike)
+    assert_pooled_renders_alike(loop, qwen[0].engine, {
+        "12mp": _messages([encode(make_image(4000, 3000, 91), "JPEG")]),
+        "two": _messages([encode(make_image(320, 240, 92)),
+                          encode(make_image(120, 360, 93), "JPEG")])})
 
 
 def test_answers_depend_on_the_image(loop, qwen):
