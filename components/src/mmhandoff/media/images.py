@@ -4,9 +4,9 @@ An image's identity is a hash of its decoded pixels (mode, size, RGB bytes), not
 arrived as: the same picture sent as PNG, as a data URI or from a file gets one identity, so its
 KV blocks are shared across requests and the router can find them. The pixels are the ones the
 model sees: turned upright by their EXIF orientation and made RGB as vLLM's own media parsing
-does (transparent pixels onto white), so two pictures with one identity are one model input. The hash is BLAKE3 (the
-`blake3` package, already a dependency for the decode memo): about half SHA-256's time on a
-12 MP image's 36 MB on one core, and it spreads over the host's cores.
+does (transparent pixels onto white), so two pictures with one identity are one model input.
+The hash is BLAKE3 (the `blake3` package, already a dependency for the decode memo): about half
+SHA-256's time on a 12 MP image's 36 MB on one core, and it spreads over the host's cores.
 """
 
 from __future__ import annotations

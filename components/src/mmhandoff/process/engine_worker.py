@@ -184,7 +184,8 @@ class Worker(Protocol):
     """What the process needs of a worker: the endpoint's handler, and its own warm-up (after the
     engine's, before the worker reports ready: the first client's request as fast as the rest).
     A worker run with `side_endpoints` also answers `side_handler(name)`: that endpoint's
-    handler and the error types it reports typed."""
+    handler and the error types it reports typed. A worker with a `close()` (what it started
+    besides the engine: agg's and prefill's media processes) is closed after its engine."""
 
     def handle(self, request: dict) -> AsyncIterator[dict]: ...
 
