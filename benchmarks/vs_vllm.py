@@ -274,6 +274,24 @@ def start_profilers(servers: list[Server], out_dir: Path, arm: str) -> list:
     return procs
 
 
+def py_spy_on_path() -> bool:
+    """py-spy runnable, installed first from the bundle's wheel if need be (a lent GPU machine
+    has none of its own: the profiling call of 2026-12-07 failed on it after its first arm)."""
+    import glob
+    import shutil
+
+    if shutil.which("py-spy"):
+        return True
+    wheels = glob.glob(str(ROOT / ".gpu-bundle" / "debug" / "py_spy-*.whl"))
+    if not wheels:
+        return False
+    target = Path(tempfile.gettempdir()) / "mmhandoff-py-spy"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--target", str(target), wheels[0]], check=True)
+    os.environ["PATH"] = f"{target / 'bin'}:{os.environ['PATH']}"
+    return shutil.which("py-spy") is not None
+
+
 def stop_profilers(procs: list) -> None:
     for p in procs:
         p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
@@ -410,6 +428,9 @@ def main(argv=None) -> int:
     unknown = set(arms) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
+    if args.profile and not py_spy_on_path():
+        parser.error("--profile needs py-spy: on the PATH, or its wheel in .gpu-bundle/debug/ "
+                     "(scripts/gpu/bundle.sh fetches it; carry that folder in the device call)")
     from mmhandoff.models.dummy import ensure_dummy_model
 
     model = str(ensure_dummy_model(SHAPE))

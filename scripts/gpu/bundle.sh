@@ -48,6 +48,13 @@ rm -f "$OUT"/graph-parts/part-*
 tar -C "$GRAPH_WHEELS" -cf - . | split -b "${PART_MB}m" -d -a 2 - "$OUT/graph-parts/part-"
 ( cd "$OUT/graph-parts" && sha256sum part-* > SHA256SUMS )
 
+# py-spy (3 MB), for device.sh's WATCHDOG_S stacks and vs_vllm.py --profile: carry
+# .gpu-bundle/debug in the call that needs it
+mkdir -p "$OUT/debug"
+python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+  --python-version 3.12 --platform manylinux1_x86_64 \
+  -d "$OUT/debug" py-spy 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
+
 log "packing and splitting into ${PART_MB} MiB parts"
 rm -f "$OUT"/parts/part-*
 tar -C "$WHEELS" -cf - . | split -b "${PART_MB}m" -d -a 2 - "$OUT/parts/part-"
