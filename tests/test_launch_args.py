@@ -146,3 +146,12 @@ def test_media_workers_are_a_count_or_auto_on_the_image_processing_roles(monkeyp
             assert "expected an integer of at least 0, or auto" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # decode prepares no media
         parser("decode").parse_args(["--media-workers", "2"])
+
+
+def test_media_workers_auto_starts_none_on_a_small_host_and_half_the_cores_on_a_large_one():
+    from mmhandoff.media.pool import MediaPool, auto_workers
+
+    assert auto_workers(2) == auto_workers(4) == 0
+    assert auto_workers(8) == 4 and auto_workers(16) == 8 and auto_workers(128) == 8
+    with pytest.raises(ValueError):
+        MediaPool(0)

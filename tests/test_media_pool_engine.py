@@ -17,7 +17,6 @@ from PIL import Image
 from mmhandoff.engine.fake import FakeEngine
 from mmhandoff.engine.prompt import PromptBuilder
 from mmhandoff.media.images import ImageLimits, ImageTooLarge, InvalidBase64, load_image_ref
-from mmhandoff.media.pool import MediaPool, auto_workers
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import assert_same_tensors, rendered_input
 
@@ -120,10 +119,3 @@ def test_a_media_process_dies_with_its_worker():
         child.wait(10)  # psutil.TimeoutExpired if it outlived the worker
     finally:
         worker.kill()
-
-
-def test_auto_starts_none_on_a_small_host_and_half_the_cores_on_a_large_one():
-    assert auto_workers(2) == auto_workers(4) == 0
-    assert auto_workers(8) == 4 and auto_workers(16) == 8 and auto_workers(128) == 8
-    with pytest.raises(ValueError):
-        MediaPool(0)
