@@ -205,8 +205,10 @@ def start_arm(arm: str, model: str, log_dir: Path) -> tuple[list[Server], float]
     return servers, time.monotonic() - t0
 
 
-async def one_request(session, arm: str, servers: list[Server], uri: str) -> tuple[float, float]:
-    """(TTFT s, mean inter-token gap s) of one streamed answer."""
+async def one_request(session, arm: str, servers: list[Server], uri: str
+                      ) -> tuple[float, float, dict | None]:
+    """(TTFT s, mean inter-token gap s, the answer's `mmhandoff` statistics or None) of one
+    streamed answer."""
     t0 = time.perf_counter()
     target = servers[-1].url
     request = body(uri)
@@ -217,7 +219,7 @@ async def one_request(session, arm: str, servers: list[Server], uri: str) -> tup
         async with session.post(servers[0].url + "/v1/chat/completions", json=first) as r:
             assert r.status == 200, await r.text()
             request["kv_transfer_params"] = (await r.json())["kv_transfer_params"]
-    times = []
+    times, stats = [], None
     async with session.post(target + "/v1/chat/completions", json=request) as r:
         assert r.status == 200, await r.text()
         async for line in r.content:
@@ -225,11 +227,27 @@ async def one_request(session, arm: str, servers: list[Server], uri: str) -> tup
                 continue
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
+            stats = chunk.get("mmhandoff", stats)
             if any(c.get("delta", {}).get("content") for c in chunk.get("choices", ())):
                 times.append(time.perf_counter())
     assert times, "no content"
     gaps = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return times[0] - t0, gaps
+    return times[0] - t0, gaps, stats
+
+
+def breakdown(ttft_s: float, stats: dict | None) -> dict[str, float] | None:
+    """Where an mmhandoff answer's TTFT went (ms), from the worker's own clocks: loading the
+    media (decode, hash, presize), the rest of the preparation (the engine's render), the engine
+    up to the first token, and what is outside the worker (client, frontend, the plane)."""
+    if not stats:
+        return None
+    first = stats.get("prefill") or stats  # disagg: prefill's first token
+    if first.get("media_ms", -1) < 0:
+        return None
+    worker_ms = (first["prepare_ms"] + first["prefill_ms"] if "prefill_ms" in first
+                 else first["ttft_ms"])
+    return {"media_ms": first["media_ms"], "render_ms": first["prepare_ms"] - first["media_ms"],
+            "engine_ms": worker_ms - first["prepare_ms"], "outside_ms": ttft_s * 1e3 - worker_ms}
 
 
 async def cell(session, arm, servers, uris: list[str], concurrency: int) -> dict:
@@ -243,10 +261,14 @@ async def cell(session, arm, servers, uris: list[str], concurrency: int) -> dict
     results = await asyncio.gather(*(one(u) for u in uris))
     wall = time.perf_counter() - t0
     ttfts = [r[0] for r in results]
-    return {"requests": len(uris), "ttft_p50_ms": pct(ttfts, 50) * 1e3,
-            "ttft_p95_ms": pct(ttfts, 95) * 1e3,
-            "itl_p50_ms": statistics.median(r[1] for r in results) * 1e3,
-            "rps": len(uris) / wall}
+    out = {"requests": len(uris), "ttft_p50_ms": pct(ttfts, 50) * 1e3,
+           "ttft_p95_ms": pct(ttfts, 95) * 1e3,
+           "itl_p50_ms": statistics.median(r[1] for r in results) * 1e3,
+           "rps": len(uris) / wall}
+    parts = [b for b in (breakdown(r[0], r[2]) for r in results) if b is not None]
+    if len(parts) == len(results):  # medians of each part (they need not add up to the TTFT's)
+        out.update({f"p50_{k}": statistics.median(p[k] for p in parts) for k in parts[0]})
+    return out
 
 
 def start_profilers(servers: list[Server], out_dir: Path, arm: str) -> list:
@@ -392,6 +414,12 @@ def report(results: dict) -> None:
             scaling.append(f"{arm} {r[c8]['ttft_p50_ms'] / r[c1]['ttft_p50_ms']:.2f}")
     if scaling:
         print("12MP TTFT p50 C8 / C1 (<= 1.3): " + ", ".join(scaling))
+    parts = ("media", "render", "engine", "outside")
+    for arm in arms:
+        for c, r in results[arm]["cells"].items():
+            if "p50_media_ms" in r:
+                print(f"{arm} {c} TTFT parts p50 ms: " + ", ".join(
+                    f"{k} {r[f'p50_{k}_ms']:.0f}" for k in parts))
 
 
 def main(argv=None) -> int:

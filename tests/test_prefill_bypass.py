@@ -82,6 +82,7 @@ def test_a_prompt_decode_holds_through_its_image_skips_the_engine():
 def test_otherwise_prefill_runs_its_engine(case, router, request_kw, max_tokens):
     answer, engine = _prefill(router, _request(**request_kw), max_tokens)
     assert not answer.stats.bypassed and engine.submitted == 1 and not engine.discarded, case
+    assert 0 < answer.stats.media_ms <= answer.stats.prepare_ms, case  # the image, then render
     assert decode_handoff(answer.handoff).kv_transfer_params  # names the KV decode pulls
 
 

@@ -75,9 +75,12 @@ def test_the_handoff_answer_equals_agg_and_depends_on_the_image(loop):
     for n, uri in enumerate(IMAGES):
         request = ask("What is it?", uri)
         tokens, last = run(loop, handoff_answer(prefill, decode, request))
-        reference, _ = run(loop, collect(agg.generate(request)))
+        reference, agg_last = run(loop, collect(agg.generate(request)))
         assert tokens == reference and len(tokens) == 6
         assert last.stats.kv_tokens_pulled == last.stats.prompt_tokens > 0
+        # where the time went: loading the image is part of the preparation, before the token
+        assert 0 < agg_last.stats.media_ms <= agg_last.stats.prepare_ms <= agg_last.stats.ttft_ms
+        assert last.stats.media_ms == -1  # decode loads no media
         answers[n] = tokens
     assert answers[0] != answers[1]
     assert not decode.engine.running and not prefill.engine.kv.blocks  # pulled, nothing held

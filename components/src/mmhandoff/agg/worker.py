@@ -31,6 +31,7 @@ class AggWorker:
     async def generate(self, request: PrefillRequest) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
         media = await self.prompts.media(request)
+        media_ms = (time.perf_counter() - t0) * 1e3
         rendered = await self.prompts.render(request, media)
         if request.continuation:
             rendered = self.engine.extend(rendered, request.continuation)
@@ -42,7 +43,7 @@ class AggWorker:
                                                  continued=len(request.continuation),
                                                  prompt_logprobs=request.prompt_logprobs),
                 request.request_id, engine_request_id, kv_deadline_s=None, request_bytes=0,
-                prepare_ms=prepare_ms, t0=t0)) as chunks:
+                prepare_ms=prepare_ms, media_ms=media_ms, t0=t0)) as chunks:
             async for chunk in chunks:
                 yield chunk
 

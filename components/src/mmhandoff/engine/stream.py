@@ -26,7 +26,7 @@ class KVCoverageError(RuntimeError):
 
 async def stream_answer(engine: Engine, request: Any, request_id: str, engine_request_id: str, *,
                         kv_deadline_s: float | None, request_bytes: int, prepare_ms: float,
-                        t0: float, admitted_at: float = 0.0,
+                        t0: float, media_ms: float = -1.0, admitted_at: float = 0.0,
                         sent_in_prompt: int = 0) -> AsyncIterator[DecodeChunk]:
     """`kv_deadline_s` bounds the wait for the first token (the KV pull happens before it);
     None: no bound (nothing to pull). `t0`: when the caller got the request (perf_counter);
@@ -54,7 +54,8 @@ async def stream_answer(engine: Engine, request: Any, request_id: str, engine_re
             if step.finished:
                 kv = step.kv_stats
                 stats = DecodeStats(
-                    request_bytes=request_bytes, prepare_ms=prepare_ms, ttft_ms=ttft_ms,
+                    request_bytes=request_bytes, prepare_ms=prepare_ms, media_ms=media_ms,
+                    ttft_ms=ttft_ms,
                     admitted_at=admitted_at, prompt_tokens=step.prompt_tokens - sent_in_prompt,
                     kv_tokens_local=kv.get("local", -1),
                     kv_tokens_pulled=kv.get("external", -1),

@@ -145,6 +145,7 @@ class PrefillWorker:
         decode (none when that token ended the answer) and the statistics."""
         t0 = time.perf_counter()
         media = await self.prompts.media(request)
+        media_ms = (time.perf_counter() - t0) * 1e3
         first_token = request.first_token and self.first_token_here
         one_token = first_token and request.sampling.max_tokens == 1
         kv_params = None if one_token else {"do_remote_decode": True,
@@ -155,7 +156,8 @@ class PrefillWorker:
             self.engine.discard(rendered)  # the engine never gets it
             return PrefillAnswer(handoff=bypass, stats=PrefillStats(
                 **media_counts(media), prompt_tokens=len(rendered.token_ids),
-                prepare_ms=(time.perf_counter() - t0) * 1e3, prefill_ms=0.0, bypassed=True))
+                prepare_ms=(time.perf_counter() - t0) * 1e3, media_ms=media_ms, prefill_ms=0.0,
+                bypassed=True))
         # the handoff's block hashes, beside the engine's prefill (routers look them up)
         hashing = asyncio.get_running_loop().run_in_executor(None, self._hashes, request,
                                                              rendered)
@@ -184,7 +186,7 @@ class PrefillWorker:
         ended = first_token and (one_token or final.finish_reason == "stop")
         stats = PrefillStats(
             **media_counts(media), prompt_tokens=len(rendered.token_ids),
-            prepare_ms=(t1 - t0) * 1e3,
+            prepare_ms=(t1 - t0) * 1e3, media_ms=media_ms,
             prefill_ms=(time.perf_counter() - t1) * 1e3, cached_tokens=final.cached_tokens)
         first = (FirstToken(token_id=token_ids[0], text=text,
                             finish_reason=final.finish_reason if ended else None,

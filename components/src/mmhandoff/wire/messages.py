@@ -100,6 +100,7 @@ class PrefillStats(msgspec.Struct, kw_only=True):
     image_bytes: int
     prompt_tokens: int
     prepare_ms: float  # image decode + hashing + rendering
+    media_ms: float = -1.0  # of prepare_ms, the image decode + hashing (+ presize)
     prefill_ms: float
     # the handoff names no KV to pull: decode's prefix cache holds the prompt through its last
     # image, and prefill's engine never saw the request (docs/routing.md, "Prefill bypass")
@@ -231,6 +232,8 @@ class DecodeStats(msgspec.Struct, kw_only=True):
     request_bytes: int  # what decode received
     prompt_tokens: int = -1
     prepare_ms: float  # decode-side input preparation before the engine got the request
+    # of prepare_ms, loading the images and videos (agg: decode, hash, presize; -1: none here)
+    media_ms: float = -1.0
     kv_tokens_local: int = -1  # prompt tokens found in decode's own prefix cache
     kv_tokens_pulled: int = -1  # prompt tokens pulled from prefill over NIXL
     kv_positions_covered: int = -1  # prompt positions served from KV at first compute
