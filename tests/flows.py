@@ -166,9 +166,11 @@ def assert_pooled_renders_alike(loop, engine, questions: dict[str, list],
     images must be ones no earlier test sent `engine` (its processed-image cache would send
     them by hash alone)."""
     from mmhandoff.engine.prompt import PromptBuilder
+    from mmhandoff.media.pool import MediaPool
 
     assert engine.presizer() is not None
-    pooled, threads = PromptBuilder(engine, media_workers=media_workers), PromptBuilder(engine)
+    pooled = PromptBuilder(engine, pool=MediaPool(media_workers))
+    threads = PromptBuilder(engine)
     pooled.start()
     try:
         for name, messages in questions.items():

@@ -17,6 +17,7 @@ from PIL import Image
 from mmhandoff.engine.fake import FakeEngine
 from mmhandoff.engine.prompt import PromptBuilder
 from mmhandoff.media.images import ImageLimits, ImageTooLarge, InvalidBase64, load_image_ref
+from mmhandoff.media.pool import MediaPool
 from tests.conftest import chat, data_uri, encode, make_image
 from tests.flows import assert_same_tensors, rendered_input
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.engine
 @pytest.fixture(scope="module")
 def builders(engines):
     """The prefill engine's PromptBuilder with a media process, and one without."""
-    pooled = PromptBuilder(engines.prefill, media_workers=1)
+    pooled = PromptBuilder(engines.prefill, pool=MediaPool(1))
     pooled.start()
     yield pooled, PromptBuilder(engines.prefill)
     pooled.close()
@@ -86,7 +87,7 @@ def test_errors_come_back_typed_from_the_pool(builders):
 
 def test_a_dead_media_process_loses_no_request_and_close_leaves_nothing(loop):
     """Without a presizer (the fake engine has none) the pool decodes and hashes only."""
-    prompts = PromptBuilder(FakeEngine(), media_workers=1)
+    prompts = PromptBuilder(FakeEngine(), pool=MediaPool(1))
     prompts.start()
     pool = prompts.pool
     assert not pool.presizes
@@ -99,6 +100,37 @@ def test_a_dead_media_process_loses_no_request_and_close_leaves_nothing(loop):
     assert pool.load_image(ref, ImageLimits()) == expected  # in this process's thread now
     prompts.close()
     assert pid not in {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+class RecordingPresizer:
+    """A presizer that leaves a file named after each process that unpickles it."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        open(os.path.join(self.folder, str(os.getpid())), "w").close()
+
+    def __call__(self, image):
+        return image.resize((image.width // 2, image.height // 2))
+
+
+def test_every_media_process_holds_the_presizer_before_its_first_image(tmp_path):
+    """The processes are spawned before the engine starts and get the presizer after it: each
+    one unpickles it (seconds of imports for a real processor) before any image comes."""
+    pool = MediaPool(3).spawn()
+    try:
+        pids = pool.start(RecordingPresizer(str(tmp_path)))
+        assert len(set(pids)) == 3 and pool.presizes
+        assert {int(f.name) for f in tmp_path.iterdir()} == set(pids)
+        ref = data_uri(encode(make_image(320, 240, 48)))
+        item = pool.load_image(ref, ImageLimits())
+        assert item.image.size == (160, 120)
+        assert item.content_hash == load_image_ref(ref).content_hash  # of the image as sent
+        assert len(list(tmp_path.iterdir())) == 3  # unpickled once per process, not per image
+    finally:
+        pool.close()
 
 
 def test_a_media_process_dies_with_its_worker():

@@ -19,14 +19,15 @@ from mmhandoff.engine import Engine, EngineInputError
 from mmhandoff.engine.prompt import InvalidRequest, PromptBuilder
 from mmhandoff.engine.stream import stream_answer
 from mmhandoff.media.images import ImageError
+from mmhandoff.media.pool import MediaPool
 from mmhandoff.plane.endpoints import generate
 from mmhandoff.wire.messages import DecodeChunk, PrefillRequest
 
 
 class AggWorker:
-    def __init__(self, engine: Engine, media_workers: int = 0) -> None:
+    def __init__(self, engine: Engine, pool: MediaPool | None = None) -> None:
         self.engine = engine
-        self.prompts = PromptBuilder(engine, media_workers=media_workers)
+        self.prompts = PromptBuilder(engine, pool=pool)
 
     async def generate(self, request: PrefillRequest) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
@@ -68,11 +69,10 @@ ERRORS = (ImageError, InvalidRequest, EngineInputError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmhandoff.process.engine_worker import media_workers, run
+    from mmhandoff.process.engine_worker import run
 
     return run("agg", "agg", ENDPOINT,
-               lambda engine, context: AggWorker(engine, media_workers(context.args)),
-               ERRORS, argv)
+               lambda engine, context: AggWorker(engine, context.media_pool), ERRORS, argv)
 
 
 if __name__ == "__main__":

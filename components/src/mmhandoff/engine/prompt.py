@@ -77,27 +77,27 @@ DECODED_MEMO = 4096  # data URIs whose decode the memo remembers (~150 bytes eac
 
 class PromptBuilder:
     def __init__(self, engine: Engine, limits: ImageLimits = ImageLimits(),
-                 video_limits: VideoLimits = VideoLimits(), media_workers: int = 0) -> None:
-        """`media_workers`: processes that prepare images (media.pool), started by `start`;
-        0: this process's threads do."""
+                 video_limits: VideoLimits = VideoLimits(),
+                 pool: MediaPool | None = None) -> None:
+        """`pool`: the processes that prepare images (media.pool), ready after `start`; None:
+        this process's threads do."""
         self.engine = engine
         self.limits = limits
         self.video_limits = video_limits
-        self.media_workers = media_workers
-        self.pool: MediaPool | None = None
+        self.pool = pool
         # blake3 of a data URI -> (content hash, byte size) of its decode, least recent first
         self._decoded: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._lock = threading.Lock()  # images are loaded in worker threads
 
     def start(self) -> None:
-        """The media processes, ready (blocks; call it from the main thread: see media.pool)."""
-        if self.media_workers and self.pool is None:
+        """The media processes, ready, presizing as this engine's processor does (blocks; call
+        it from the main thread, unless the pool was spawned already: see media.pool)."""
+        if self.pool is not None:
             t0 = time.monotonic()
-            self.pool = MediaPool(self.media_workers, self.engine.presizer())
-            self.pool.start()
-            log.info(f"[mmhandoff] {self.media_workers} media process(es) prepare images, "
+            self.pool.start(self.engine.presizer())
+            log.info(f"[mmhandoff] {self.pool.workers} media process(es) prepare images, "
                      f"{'presized' if self.pool.presizes else 'at their own size'} "
-                     f"(started in {time.monotonic() - t0:.1f} s)")
+                     f"(ready {time.monotonic() - t0:.1f} s after the engine)")
 
     def close(self) -> None:
         if self.pool is not None:

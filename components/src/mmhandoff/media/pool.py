@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -43,59 +44,96 @@ def auto_workers(cores: int | None = None) -> int:
     return min(AUTO_MAX, cores // 2) if cores >= AUTO_MIN_CORES else 0
 
 
-# one media process's state, set by _start
-_presizer: Presizer | None = None
+READY_S = 600  # a process slower than this to start (import torch) fails the pool's start
+
+# one media process's state: the pool's barrier, the presizer its last task named (pickled, and
+# unpickled)
+_barrier = None
+_presizer: tuple[bytes, Presizer] | None = None
 
 
-def _start(presizer: Presizer | None, torch_threads: int) -> None:
+def _start(barrier, torch_threads: int) -> None:
     from mmhandoff.process.parent_death import die_with_parent
 
     die_with_parent()
-    global _presizer
-    _presizer = presizer
-    if presizer is not None:  # the processor's resize runs on torch's intra-op threads
-        import torch
+    global _barrier
+    _barrier = barrier
+    # torch now, while the worker's engine starts: the presizer (the processor's resize) needs it
+    import torch
 
-        torch.set_num_threads(torch_threads)
+    torch.set_num_threads(torch_threads)  # its intra-op threads: this process's share
 
 
-def _ready() -> int:
+def _ready(presizer: bytes | None) -> int:
+    """Every process runs one (each waits at the barrier for the others): its presizer
+    unpickled (~1.5 s of imports) before its first image."""
+    _presizer_of(presizer)
+    _barrier.wait(READY_S)
     return os.getpid()
 
 
-def _load_image(ref: str, limits: ImageLimits) -> LoadedImage:
+def _presizer_of(pickled: bytes | None) -> Presizer | None:
+    global _presizer
+    if pickled is None:
+        return None
+    if _presizer is None or _presizer[0] != pickled:
+        _presizer = (pickled, pickle.loads(pickled))
+    return _presizer[1]
+
+
+def _load_image(ref: str, limits: ImageLimits, presizer: bytes | None) -> LoadedImage:
     item = load_image_ref(ref, limits)
-    if _presizer is None:
+    presize = _presizer_of(presizer)
+    if presize is None:
         return item
-    return LoadedImage(_presizer(item.image), item.content_hash, item.source_bytes)
+    return LoadedImage(presize(item.image), item.content_hash, item.source_bytes)
 
 
 class MediaPool:
-    def __init__(self, workers: int, presizer: Presizer | None = None) -> None:
+    def __init__(self, workers: int) -> None:
         if workers < 1:
             raise ValueError(f"a media pool needs at least one process, not {workers}")
         self.workers = workers
-        self.presizes = presizer is not None
-        threads = max(1, host_cores() // workers)
+        self._presizer: bytes | None = None  # pickled: ~1 KB with each task
+        context = multiprocessing.get_context("spawn")
         self._pool = ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
-            initargs=(presizer, threads))
+            workers, mp_context=context, initializer=_start,
+            initargs=(context.Barrier(workers), max(1, host_cores() // workers)))
+        self._spawned: list | None = None
         self._broken = False
 
-    def start(self) -> list[int]:
-        """Every process started and ready (blocks: seconds, importing torch), from the calling
+    @property
+    def presizes(self) -> bool:
+        return self._presizer is not None
+
+    def spawn(self) -> MediaPool:
+        """Start every process (returns at once; they import torch meanwhile), from the calling
         thread, which must live as long as the process (the main thread): each process is
-        signalled to die when it ends. The processes' pids."""
-        # each call finds no idle process (none has finished a task yet) and spawns one
-        futures = [self._pool.submit(_ready) for _ in range(self.workers)]
-        return [f.result() for f in futures]
+        signalled to die when it ends. The engine's start goes on beside them."""
+        if self._spawned is None:
+            # each call finds no idle process (none has finished a task yet) and spawns one
+            self._spawned = self._everywhere(None)
+        return self
+
+    def start(self, presizer: Presizer | None = None) -> list[int]:
+        """Every process started and ready, images presized by `presizer` from now on (blocks:
+        seconds, if `spawn` came just before). The processes' pids."""
+        pids = [f.result() for f in self.spawn()._spawned]
+        self._presizer = None if presizer is None else pickle.dumps(presizer)
+        if self._presizer is not None:
+            pids = [f.result() for f in self._everywhere(self._presizer)]
+        return pids
+
+    def _everywhere(self, presizer: bytes | None) -> list:
+        """`_ready` in every process: each blocks at the barrier until all have one."""
+        return [self._pool.submit(_ready, presizer) for _ in range(self.workers)]
 
     def load_image(self, ref: str, limits: ImageLimits) -> LoadedImage:
         """`load_image_ref(ref, limits)` in a media process, the image presized; blocks (call it
         from a thread). The image's own errors (ImageError) are raised here as there."""
         if not self._broken:
             try:
-                return self._pool.submit(_load_image, ref, limits).result()
+                return self._pool.submit(_load_image, ref, limits, self._presizer).result()
             except BrokenProcessPool:
                 self._broken = True
                 log.error("[mmhandoff] a media process died: images are loaded in the "

@@ -10,7 +10,7 @@ from mmhandoff.wire.handoff import Claim
 
 def main(argv: list[str] | None = None) -> int:
     """The worker process: its engine, its endpoint, until stopped."""
-    from mmhandoff.process.engine_worker import media_workers, run
+    from mmhandoff.process.engine_worker import run
 
     async def make_worker(engine, context):
         args = context.args
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                    bypass_max_tokens=args.bypass_max_tokens,
                    publish_prefixes=context.publish_prefixes, claims=claims,
                    release_unclaimed_s=args.release_unclaimed_s,
-                   media_workers=media_workers(args))
+                   pool=context.media_pool)
 
     return run("prefill", "prefill", ENDPOINT, make_worker, ERRORS, argv,
                side_endpoints=(CLAIM,))

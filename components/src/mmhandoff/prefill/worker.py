@@ -27,6 +27,7 @@ import msgspec
 from mmhandoff.engine import RELEASE_ON_STOP_KEY, Engine, EngineInputError, Rendered, Step
 from mmhandoff.engine.prompt import InvalidRequest, PromptBuilder
 from mmhandoff.media.images import ImageError, ImageLimits
+from mmhandoff.media.pool import MediaPool
 from mmhandoff.plane.endpoints import CLAIM, generate
 from mmhandoff.prefill.bypass import decode_can_answer
 from mmhandoff.prefill.claims import ERRORS as CLAIM_ERRORS, ClaimBook
@@ -108,16 +109,16 @@ class PrefillWorker:
                  publish_prefixes: Callable[[dict[str, list]], None] | None = None,
                  claims: ClaimBook | None = None,
                  release_unclaimed_s: float = RELEASE_UNCLAIMED_S,
-                 media_workers: int = 0) -> None:
+                 pool: MediaPool | None = None) -> None:
         """`key`: sign every handoff with it, with a nonce and an expiry `ttl_s` from now
         (decode is given the same key). `router` (a RouterLookup) and `bypass_max_tokens` > 0:
         skip the engine for a prompt a decode replica can answer from its own cache (bypass).
         `claims`: with a key, each handoff that names KV names this prefill as where to claim
         it, and the book grants it once (prefill.claims); one unclaimed after
         `release_unclaimed_s` is revoked and its blocks freed (0: left to the lease).
-        `media_workers`: processes that prepare images (media.pool), started at warm-up."""
+        `pool`: the processes that prepare images (media.pool), ready at warm-up."""
         self.engine = engine
-        self.prompts = PromptBuilder(engine, limits, media_workers=media_workers)
+        self.prompts = PromptBuilder(engine, limits, pool=pool)
         self.key, self.ttl_s = key, ttl_s
         self.router, self.bypass_max_tokens = router, bypass_max_tokens
         # what each image key's prefix is in this engine's blocks, for the router's placement

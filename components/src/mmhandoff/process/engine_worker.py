@@ -112,10 +112,21 @@ def _count_or_auto(minimum: int) -> Callable[[str], int | str]:
 
 
 def media_workers(args: argparse.Namespace) -> int:
-    """The media processes `--media-workers` asks for (media.pool)."""
+    """The media processes `--media-workers` asks for (media.pool); 0 for a role without it."""
     from mmhandoff.media.pool import auto_workers
 
-    return auto_workers() if args.media_workers == "auto" else args.media_workers
+    count = getattr(args, "media_workers", 0)
+    return auto_workers() if count == "auto" else count
+
+
+def spawn_media_pool(args: argparse.Namespace):
+    """The media processes the command line asks for, spawned (media.pool), or None."""
+    count = media_workers(args)
+    if not count:
+        return None
+    from mmhandoff.media.pool import MediaPool
+
+    return MediaPool(count).spawn()
 
 
 def _ip(value: str) -> str:
@@ -178,6 +189,9 @@ class WorkerContext:
     publish_prefixes: Callable[[dict[str, list]], None]
     component: str = ""  # "<namespace>.<component>": where its endpoints are
     instance_id: Callable[[], int] = lambda: 0  # its Dynamo instance id now (may change)
+    # the media processes `--media-workers` asks for, spawned before the engine started (they
+    # import torch meanwhile); the worker makes them ready (`start`) and closes them
+    media_pool: Any = None
 
 
 class Worker(Protocol):
@@ -185,7 +199,7 @@ class Worker(Protocol):
     engine's, before the worker reports ready: the first client's request as fast as the rest).
     A worker run with `side_endpoints` also answers `side_handler(name)`: that endpoint's
     handler and the error types it reports typed. A worker with a `close()` (what it started
-    besides the engine: agg's and prefill's media processes) is closed after its engine."""
+    the media processes it was given) is closed after its engine."""
 
     def handle(self, request: dict) -> AsyncIterator[dict]: ...
 
@@ -228,7 +242,13 @@ async def _serve(args, spec_role, endpoint, make_worker, errors, side_endpoints)
     start_not_ready()
     load = EngineLoad()
     t0 = time.monotonic()
-    engine = start_engine(spec, load)
+    pool = spawn_media_pool(args)
+    try:
+        engine = start_engine(spec, load)
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        raise
     engine_s = time.monotonic() - t0
     rt = runtime(asyncio.get_running_loop(), discovery=args.discovery,
                  request_plane=args.request_plane, nixl_host=args.nixl_host)
@@ -252,7 +272,7 @@ async def _serve(args, spec_role, endpoint, make_worker, errors, side_endpoints)
 
     load.on_change = publish_load
     worker = make_worker(engine, WorkerContext(args, rt, feed.prefixes, component,
-                                               served_endpoint.connection_id))
+                                               served_endpoint.connection_id, pool))
     if inspect.isawaitable(worker):
         worker = await worker
     # the first client's request as fast as the rest: the engine's one-time costs, then the
