@@ -103,32 +103,38 @@ def test_a_dead_media_process_loses_no_request_and_close_leaves_nothing(loop):
 
 
 class RecordingPresizer:
-    """A presizer that leaves a file named after each process that unpickles it."""
+    """A presizer that halves images and writes a line to a file named after each process
+    that unpickles it."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
-        open(os.path.join(self.folder, str(os.getpid())), "w").close()
+        with open(os.path.join(self.folder, str(os.getpid())), "a") as f:
+            f.write("unpickled\n")
 
     def __call__(self, image):
         return image.resize((image.width // 2, image.height // 2))
 
 
-def test_every_media_process_holds_the_presizer_before_its_first_image(tmp_path):
-    """The processes are spawned before the engine starts and get the presizer after it: each
-    one unpickles it (seconds of imports for a real processor) before any image comes."""
+def test_the_presizer_reaches_processes_spawned_before_it(tmp_path):
+    """The processes are spawned before the engine starts and get the presizer after it, with
+    each task: every image is presized, and each process unpickles it once (seconds of imports
+    for a real processor), not per image."""
     pool = MediaPool(3).spawn()
     try:
-        pids = pool.start(RecordingPresizer(str(tmp_path)))
-        assert len(set(pids)) == 3 and pool.presizes
-        assert {int(f.name) for f in tmp_path.iterdir()} == set(pids)
-        ref = data_uri(encode(make_image(320, 240, 48)))
-        item = pool.load_image(ref, ImageLimits())
-        assert item.image.size == (160, 120)
-        assert item.content_hash == load_image_ref(ref).content_hash  # of the image as sent
-        assert len(list(tmp_path.iterdir())) == 3  # unpickled once per process, not per image
+        pids = set(pool.start(RecordingPresizer(str(tmp_path))))
+        assert pool.presizes
+        refs = [data_uri(encode(make_image(320, 240, 48 + i))) for i in range(9)]
+        for ref in refs:
+            item = pool.load_image(ref, ImageLimits())
+            assert item.image.size == (160, 120)
+            assert item.content_hash == load_image_ref(ref).content_hash  # of the image as sent
+        children = {c.pid for c in psutil.Process().children(recursive=True)}
+        records = {int(f.name): f.read_text() for f in tmp_path.iterdir()}
+        assert records and set(records) <= children and pids <= children
+        assert set(records.values()) == {"unpickled\n"}
     finally:
         pool.close()
 

@@ -34,41 +34,47 @@ AUTO_MIN_CORES = 8  # below this, "auto" starts none (the CPU tests' hosts: 2 co
 
 
 def host_cores() -> int:
-    return len(os.sched_getaffinity(0))
+    from mmhandoff.process.cores import usable_cores
+
+    return usable_cores()
 
 
 def auto_workers(cores: int | None = None) -> int:
-    """Half the process's cores, at most AUTO_MAX; none on a host of fewer than AUTO_MIN_CORES
-    (its cores are the engine's: the CPU tests' vLLM)."""
+    """Half the process's cores (its affinity, at most its cgroup's CPU quota), at most
+    AUTO_MAX; none on a host of fewer than AUTO_MIN_CORES (its cores are the engine's: the CPU
+    tests' vLLM)."""
     cores = host_cores() if cores is None else cores
     return min(AUTO_MAX, cores // 2) if cores >= AUTO_MIN_CORES else 0
 
 
-READY_S = 600  # a process slower than this to start (import torch) fails the pool's start
+# what unpickling an image processor imports, whatever the model (~1.5 s): imported at the
+# process's start, beside the engine's, so that its first image pays only the model's own module
+PROCESSOR_IMPORTS = ("torch", "torchvision.transforms.v2", "transformers.image_utils",
+                     "transformers.image_processing_utils",
+                     "transformers.image_processing_utils_fast")
 
-# one media process's state: the pool's barrier, the presizer its last task named (pickled, and
-# unpickled)
-_barrier = None
+# one media process's state: the presizer its last task named (pickled, and unpickled)
 _presizer: tuple[bytes, Presizer] | None = None
 
 
-def _start(barrier, torch_threads: int) -> None:
+def _start(torch_threads: int) -> None:
+    import importlib
+
     from mmhandoff.process.parent_death import die_with_parent
 
     die_with_parent()
-    global _barrier
-    _barrier = barrier
-    # torch now, while the worker's engine starts: the presizer (the processor's resize) needs it
+    for name in PROCESSOR_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another transformers' layout: the first image imports the rest
+            pass
     import torch
 
     torch.set_num_threads(torch_threads)  # its intra-op threads: this process's share
 
 
 def _ready(presizer: bytes | None) -> int:
-    """Every process runs one (each waits at the barrier for the others): its presizer
-    unpickled (~1.5 s of imports) before its first image."""
     _presizer_of(presizer)
-    _barrier.wait(READY_S)
     return os.getpid()
 
 
@@ -95,10 +101,9 @@ class MediaPool:
             raise ValueError(f"a media pool needs at least one process, not {workers}")
         self.workers = workers
         self._presizer: bytes | None = None  # pickled: ~1 KB with each task
-        context = multiprocessing.get_context("spawn")
         self._pool = ProcessPoolExecutor(
-            workers, mp_context=context, initializer=_start,
-            initargs=(context.Barrier(workers), max(1, host_cores() // workers)))
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
+            initargs=(max(1, host_cores() // workers),))
         self._spawned: list | None = None
         self._broken = False
 
@@ -112,7 +117,7 @@ class MediaPool:
         signalled to die when it ends. The engine's start goes on beside them."""
         if self._spawned is None:
             # each call finds no idle process (none has finished a task yet) and spawns one
-            self._spawned = self._everywhere(None)
+            self._spawned = [self._pool.submit(_ready, None) for _ in range(self.workers)]
         return self
 
     def start(self, presizer: Presizer | None = None) -> list[int]:
@@ -120,13 +125,10 @@ class MediaPool:
         seconds, if `spawn` came just before). The processes' pids."""
         pids = [f.result() for f in self.spawn()._spawned]
         self._presizer = None if presizer is None else pickle.dumps(presizer)
-        if self._presizer is not None:
-            pids = [f.result() for f in self._everywhere(self._presizer)]
+        if self._presizer is not None:  # one each, most likely: a process unpickles it once
+            for f in [self._pool.submit(_ready, self._presizer) for _ in range(self.workers)]:
+                f.result()
         return pids
-
-    def _everywhere(self, presizer: bytes | None) -> list:
-        """`_ready` in every process: each blocks at the barrier until all have one."""
-        return [self._pool.submit(_ready, presizer) for _ in range(self.workers)]
 
     def load_image(self, ref: str, limits: ImageLimits) -> LoadedImage:
         """`load_image_ref(ref, limits)` in a media process, the image presized; blocks (call it

@@ -128,7 +128,9 @@ def _check_renderer_workers(workers: Any, what: str = "renderer workers") -> Non
 
 
 def _auto_threads() -> int:
-    return min(AUTO_RENDERER_WORKERS, len(os.sched_getaffinity(0)))
+    from mmhandoff.process.cores import usable_cores
+
+    return min(AUTO_RENDERER_WORKERS, usable_cores())
 
 
 def on_cpu() -> bool:
