@@ -25,9 +25,11 @@ Beside them, candidates that would do the same work faster, each timed the same 
 - sha256 over the same pixels (the identity's hash function until 2026-12-06);
 - blake3 over the compressed bytes (a different contract: the same picture sent as JPEG and as
   PNG would get two identities);
-- a JPEG decoded at a reduced scale (PIL's `draft`: the DCT's own downscaling to no less than
-  twice the processor's input) then processed: it changes the model's input, by the max abs
-  difference printed.
+- a media process's whole work on the data URI (base64, decode, identity, presize), with the
+  exact decode and with `--image-decode draft` (a JPEG decoded at a reduced scale, PIL's
+  `draft`: the DCT's own downscaling to no less than twice the processor's short side; PNGs are
+  decoded whole): the draft changes the model's input, by the max and mean abs differences
+  printed.
 Each figure is the median of `--reps` runs in this one process. CPU work only: run it where
 prefill's processes run.
 """
@@ -111,7 +113,6 @@ def array_hash(pixels) -> str:
 def one(name: str, data: bytes, fmt: str, proc, threads: list[int], reps: int) -> dict:
     import blake3
     import numpy as np
-    from PIL import Image
 
     from mmhandoff.media.images import content_hash, data_uri_bytes, decode_rgb
 
@@ -153,15 +154,19 @@ def one(name: str, data: bytes, fmt: str, proc, threads: list[int], reps: int) -
     row["sha256 pixels"], _ = timed(lambda: hashlib.sha256(image.tobytes()).hexdigest(), reps)
     row["blake3 bytes"], _ = timed(
         lambda: blake3.blake3(raw, max_threads=blake3.blake3.AUTO).hexdigest(), reps)
-    if fmt == "JPEG":
-        side = 2 * proc.crop_size["height"]
+    # what a media process does with the data URI (load_image_ref + the presizer), the exact
+    # decode and the inexact one (--image-decode draft: a no-op for PNGs), on one torch thread
+    from mmhandoff.media.images import load_image_ref
 
-        def drafted():
-            img = Image.open(io.BytesIO(raw))
-            img.draft("RGB", (side, side))  # the DCT scales by 1/2, 1/4 or 1/8, never below
-            return proc(images=img.convert("RGB"), return_tensors="pt")
-        row["draft decode + process"], small = timed(on_threads(threads[0], drafted), reps)
-        row["draft diff"] = float((small["pixel_values"] - ref_pixels).abs().max())
+    def media(draft):
+        item = load_image_ref(uri, draft=draft)
+        return presize(item.image)
+    row["media exact"], _ = timed(on_threads(threads[0], lambda: media(None)), reps)
+    row["media draft"], small = timed(on_threads(threads[0], lambda: media(
+        presize.draft_size())), reps)
+    out = proc(images=small, return_tensors="pt")["pixel_values"]
+    row["draft diff"] = float((out - ref_pixels).abs().max())
+    row["draft mean diff"] = float((out - ref_pixels).abs().mean())
     row["total"] = row["base64"] + row["decode"] + row["hash"] + row["process"]
     return row
 
@@ -173,13 +178,14 @@ def report(rows: list[dict], threads: list[int]) -> None:
     print("| image | bytes | base64 | decode | hash | process |" + more + " total | "
           "threads diff | array path (vs hash + process) / diff | CHW path / diff | "
           "presize + process presized / diff | sha256 pixels | "
-          "blake3 bytes | draft decode + process / max diff |")
+          "blake3 bytes | media process exact / draft (ratio), max / mean diff |")
     print("|---" * (14 + len(threads) - 1) + "|")
     for r in rows:
         def share(k):
             return f"{r[k]:.1f} ({r[k] / r['total']:.0%})"
-        draft = (f"{r['draft decode + process']:.1f} / {r['draft diff']:.3f}"
-                 if "draft diff" in r else "-")
+        draft = (f"{r['media exact']:.1f} / {r['media draft']:.1f} "
+                 f"({r['media draft'] / r['media exact']:.2f}), {r['draft diff']:.3f} / "
+                 f"{r['draft mean diff']:.4f}")
         others = "".join(f" {r[f'process@{n}']:.1f} |" for n in threads[1:])
         print(f"| {r['image']} {r['format']} | {r['bytes']:,} | {share('base64')} | "
               f"{share('decode')} | {share('hash')} | {share('process')} |{others} "

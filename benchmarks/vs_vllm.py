@@ -58,18 +58,21 @@ CELLS = [("640x480", 1, 8), ("640x480", 8, 32), ("640x480", 32, 64),
          ("12MP", 1, 6), ("12MP", 8, 16)]  # (image, concurrency, requests)
 SIZES = {"640x480": (640, 480), "12MP": (4000, 3000)}
 ARMS = ("vllm", "vllm-pd", "agg", "disagg", "agg-parallel", "agg-threads", "disagg-threads",
-        "agg-inline", "disagg-inline", "disagg-cache")
+        "agg-inline", "disagg-inline", "disagg-cache", "agg-draft", "disagg-draft")
 # variants of a shipped graph (issue 37): the arguments its image-processing component gets
 # on top of the config's. agg-parallel: 8 threads processing images (vLLM then keeps no
 # processed-image cache) instead of vLLM's one thread and its cache; *-threads: each image on
 # up to 8 torch threads; *-inline: images prepared in the worker's threads, not in media
-# processes (media.pool); disagg-cache: prefill's renderer on vLLM's one thread with its cache
+# processes (media.pool); disagg-cache: prefill's renderer on vLLM's one thread with its cache;
+# *-draft: JPEGs decoded at a reduced scale (the inexact decode, off by default)
 TORCH_THREADS = ["--renderer-torch-threads", "auto"]
 INLINE = ["--media-workers", "0"]
+DRAFT = ["--image-decode", "draft"]
 VARIANTS = {"agg-parallel": ("agg", ["--engine-arg", "renderer_num_workers=8"]),
             "agg-threads": ("agg", TORCH_THREADS), "disagg-threads": ("prefill", TORCH_THREADS),
             "agg-inline": ("agg", INLINE), "disagg-inline": ("prefill", INLINE),
-            "disagg-cache": ("prefill", ["--engine-arg", "renderer_num_workers=1"])}
+            "disagg-cache": ("prefill", ["--engine-arg", "renderer_num_workers=1"]),
+            "agg-draft": ("agg", DRAFT), "disagg-draft": ("prefill", DRAFT)}
 AGAIN = "12MP C1 again"  # the 12 MP C1 cell's images once more: a follow-up turn's TTFT
 PD_SHARE = 0.45  # as configs/gpu/disagg.yaml's engines on one GPU
 

@@ -101,9 +101,9 @@ def test_a_requests_images_are_prepared_side_by_side_in_prompt_order(monkeypatch
     meet = threading.Barrier(2, timeout=30)
     load = prompt_module.load_image_ref
 
-    def side_by_side(ref, limits):
+    def side_by_side(ref, limits, draft):
         meet.wait()  # raises BrokenBarrierError if the other load never starts
-        return load(ref, limits)
+        return load(ref, limits, draft)
 
     monkeypatch.setattr(prompt_module, "load_image_ref", side_by_side)
     images = [make_image(64, 48, 7), make_image(48, 64, 8)]
@@ -111,3 +111,16 @@ def test_a_requests_images_are_prepared_side_by_side_in_prompt_order(monkeypatch
                         _request(*(data_uri(encode(i)) for i in images)))
     assert [i.content_hash for i in loaded] == [decode_image(encode(i)).content_hash
                                                  for i in images]
+
+
+def test_a_draft_decode_needs_a_processor_that_allows_it():
+    """The fake engine has no presizer: "draft" decodes exactly (and says so in the log); an
+    unknown mode is refused."""
+    builder = PromptBuilder(FakeEngine(role="prefill"), image_decode="draft")
+    builder.start()
+    assert builder.draft is None
+    image = make_image(1600, 1200, 6)
+    (loaded,), _ = _render(builder, _request(data_uri(encode(image, "JPEG"), "image/jpeg")))
+    assert loaded.image.size == (1600, 1200)
+    with pytest.raises(ValueError, match="image_decode"):
+        PromptBuilder(FakeEngine(), image_decode="fast")

@@ -146,6 +146,18 @@ def test_media_workers_are_a_count_or_auto_on_the_image_processing_roles(monkeyp
             assert "expected an integer of at least 0, or auto" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # decode prepares no media
         parser("decode").parse_args(["--media-workers", "2"])
+    assert media_workers(parser("decode").parse_args([])) == 0
+
+
+def test_the_image_decode_is_exact_unless_draft_is_asked_for(capsys):
+    for role in ("agg", "prefill"):
+        assert parser(role).parse_args([]).image_decode == "exact"
+        assert parser(role).parse_args(["--image-decode", "draft"]).image_decode == "draft"
+        with pytest.raises(SystemExit):
+            parser(role).parse_args(["--image-decode", "fast"])
+        assert "invalid choice: 'fast'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser("decode").parse_args(["--image-decode", "draft"])
 
 
 def test_media_workers_auto_starts_none_on_a_small_host_and_half_the_cores_on_a_large_one():

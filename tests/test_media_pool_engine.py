@@ -68,6 +68,35 @@ def test_images_from_the_pool_are_the_same_engine_input(loop, builders, case):
     assert_same_tensors(tensors_a, tensors_b)
 
 
+def test_a_drafted_jpeg_is_the_same_prompt_its_input_a_measured_bit_off(loop, engines, builders):
+    """--image-decode draft through vLLM's render: the same token ids and spans as the exact
+    decode, in media processes and in threads alike; the processed tensors off by no more
+    than test_presize's bounds (the processor alone), and another identity."""
+    from tests.test_presize import DRAFT_BOUND, DRAFT_MEAN_BOUND
+
+    _, exact = builders
+    pooled = PromptBuilder(engines.prefill, pool=MediaPool(1), image_decode="draft")
+    threads = PromptBuilder(engines.prefill, image_decode="draft")
+    pooled.start()
+    threads.start()
+    try:
+        assert pooled.draft == threads.draft == (224, 224)  # the tiny CLIP's 112 px, twice
+        messages = chat("What is in it?",
+                        data_uri(encode(make_image(2000, 1500, 49), "JPEG"), "image/jpeg"))
+        ids_p, features_p, tensors_p = rendered_input(loop, pooled, "draft-pool", messages)
+        ids_t, features_t, tensors_t = rendered_input(loop, threads, "draft-threads", messages)
+        ids_e, features_e, tensors_e = rendered_input(loop, exact, "draft-exact", messages)
+        assert ids_p == ids_t == ids_e
+        assert features_p == features_t != features_e  # the drafted pixels' own identity
+        assert_same_tensors(tensors_p, tensors_t)
+        (drafted,), (whole,) = tensors_p, tensors_e
+        diff = (drafted["pixel_values"] - whole["pixel_values"]).abs()
+        assert 0 < float(diff.max()) <= DRAFT_BOUND and float(diff.mean()) <= DRAFT_MEAN_BOUND
+    finally:
+        pooled.close()
+        threads.close()
+
+
 def test_the_pool_sends_the_processor_a_small_image(builders):
     pooled, _ = builders
     ref = data_uri(encode(make_image(2000, 1500, 46), "JPEG"), "image/jpeg")

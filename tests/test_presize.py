@@ -150,3 +150,46 @@ def test_transparent_pixels_are_made_rgb_as_vllm_makes_them(mode):
     data = transparent(mode)
     reference = convert_image_mode(normalize_image(Image.open(io.BytesIO(data))), "RGB")
     assert np.array_equal(np.asarray(decode_rgb(data)), np.asarray(reference))
+
+
+# ---- the inexact decode (--image-decode draft): off by default, its difference measured ------
+
+# normalised units (one step of 255 is ~0.015 after CLIP's normalisation): the largest
+# difference of any input value, and the mean one (measured: up to 0.088 and 0.014)
+DRAFT_BOUND, DRAFT_MEAN_BOUND = 0.1, 0.02
+
+
+def test_only_a_fixed_short_side_is_drafted():
+    assert Presizer(image_processor("dummy:llava-1.5-7b")).draft_size() == (672, 672)
+    assert Presizer(image_processor("llava")).draft_size() == (224, 224)
+    for model in ("dummy:qwen2.5-vl-7b", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        # pixel bounds: a smaller decode would give another grid, another count of tokens
+        assert Presizer(image_processor(model)).draft_size() is None, model
+
+
+@pytest.mark.parametrize("size", [(4000, 3000), (1500, 2000), (2800, 1400)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_a_drafted_jpeg_is_the_same_shape_of_input_a_little_off(size):
+    """The reference is the processor on the exact decode; the draft's difference is measured
+    and bounded, and is not zero (so the option stays off by default)."""
+    processor = image_processor("dummy:llava-1.5-7b")
+    draft = Presizer(processor).draft_size()
+    data = encode(make_image(*size, seed=size[0] + 5), "JPEG")
+    exact, drafted = decode_image(data), decode_image(data, draft=draft)
+    assert min(drafted.image.size) >= draft[0] and drafted.image.width < exact.image.width
+    a, b = model_input(processor, exact.image), model_input(processor, drafted.image)
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+    diff = (a["pixel_values"] - b["pixel_values"]).abs()
+    assert 0 < float(diff.max()) <= DRAFT_BOUND and float(diff.mean()) <= DRAFT_MEAN_BOUND
+    # the identity is of the pixels the model's processor gets: the drafted ones, the same each
+    # time the same bytes come
+    assert drafted.content_hash == content_hash(drafted.image) != exact.content_hash
+    assert decode_image(data, draft=draft).content_hash == drafted.content_hash
+
+
+def test_a_draft_leaves_other_formats_and_small_jpegs_whole():
+    draft = (672, 672)
+    png = encode(make_image(2000, 1500, seed=8))
+    assert decode_image(png, draft=draft) == decode_image(png)
+    small = encode(make_image(1400, 700, seed=9), "JPEG")  # no 1/2 scale keeps 672 a side
+    assert decode_image(small, draft=draft) == decode_image(small)

@@ -25,9 +25,10 @@ from mmhandoff.wire.messages import DecodeChunk, PrefillRequest
 
 
 class AggWorker:
-    def __init__(self, engine: Engine, pool: MediaPool | None = None) -> None:
+    def __init__(self, engine: Engine, pool: MediaPool | None = None,
+                 image_decode: str = "exact") -> None:
         self.engine = engine
-        self.prompts = PromptBuilder(engine, pool=pool)
+        self.prompts = PromptBuilder(engine, pool=pool, image_decode=image_decode)
 
     async def generate(self, request: PrefillRequest) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     from mmhandoff.process.engine_worker import run
 
     return run("agg", "agg", ENDPOINT,
-               lambda engine, context: AggWorker(engine, context.media_pool), ERRORS, argv)
+               lambda engine, context: AggWorker(engine, context.media_pool,
+                                                 context.args.image_decode), ERRORS, argv)
 
 
 if __name__ == "__main__":

@@ -72,29 +72,51 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 Media = LoadedImage | LoadedVideo
 
 
+# how a first-seen image is decoded: "exact" (every pixel; the model's input is vLLM's own), or
+# "draft" (a JPEG at a reduced scale where the processor resizes to a fixed short side anyway:
+# ~2.5x less CPU for a 12 MP photo, the model's input off by up to ~0.09; off by default)
+IMAGE_DECODES = ("exact", "draft")
+
 DECODED_MEMO = 4096  # data URIs whose decode the memo remembers (~150 bytes each)
 
 
 class PromptBuilder:
     def __init__(self, engine: Engine, limits: ImageLimits = ImageLimits(),
                  video_limits: VideoLimits = VideoLimits(),
-                 pool: MediaPool | None = None) -> None:
+                 pool: MediaPool | None = None, image_decode: str = "exact") -> None:
         """`pool`: the processes that prepare images (media.pool), ready after `start`; None:
-        this process's threads do."""
+        this process's threads do. `image_decode`: "exact", or "draft" (IMAGE_DECODES) from
+        `start` on, where the engine's processor allows it."""
+        if image_decode not in IMAGE_DECODES:
+            raise ValueError(f"image_decode must be one of {', '.join(IMAGE_DECODES)}, "
+                             f"not {image_decode!r}")
         self.engine = engine
         self.limits = limits
         self.video_limits = video_limits
         self.pool = pool
+        self.image_decode = image_decode
+        self.draft: tuple[int, int] | None = None  # the JPEG decode's least size (images.py)
         # blake3 of a data URI -> (content hash, byte size) of its decode, least recent first
         self._decoded: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._lock = threading.Lock()  # images are loaded in worker threads
 
     def start(self) -> None:
-        """The media processes, ready, presizing as this engine's processor does (blocks; call
-        it from the main thread, unless the pool was spawned already: see media.pool)."""
+        """The media processes, ready, presizing as this engine's processor does, and the draft
+        decode's size if asked for (blocks; call it from the main thread, unless the pool was
+        spawned already: see media.pool)."""
+        if self.pool is None and self.image_decode == "exact":
+            return
+        presizer = self.engine.presizer()
+        if self.image_decode == "draft":
+            self.draft = presizer.draft_size() if presizer is not None else None
+            log.warning("[mmhandoff] " + (
+                f"JPEGs decoded inexactly, at {self.draft[0]} px a side or more "
+                "(--image-decode draft: the model's input differs by up to ~0.09)"
+                if self.draft else "--image-decode draft: this model's image processor would "
+                "change the input's shape: images are decoded exactly"))
         if self.pool is not None:
             t0 = time.monotonic()
-            self.pool.start(self.engine.presizer())
+            self.pool.start(presizer)
             log.info(f"[mmhandoff] {self.pool.workers} media process(es) prepare images, "
                      f"{'presized' if self.pool.presizes else 'at their own size'} "
                      f"(ready {time.monotonic() - t0:.1f} s after the engine)")
@@ -137,9 +159,9 @@ class PromptBuilder:
         if video:
             item = self._load_video(ref)
         elif self.pool is not None:
-            item = self.pool.load_image(ref, self.limits)
+            item = self.pool.load_image(ref, self.limits, self.draft)
         else:
-            item = load_image_ref(ref, self.limits)
+            item = load_image_ref(ref, self.limits, self.draft)
         if key is not None:  # (a file's contents may change: not remembered)
             with self._lock:
                 self._decoded[key] = (item.content_hash, item.source_bytes)

@@ -64,13 +64,19 @@ def content_hash(image: Image.Image) -> str:
     return h.hexdigest()
 
 
-def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> LoadedImage:
-    image = decode_rgb(data, limits)
+def decode_image(data: bytes, limits: ImageLimits = ImageLimits(),
+                 draft: tuple[int, int] | None = None) -> LoadedImage:
+    image = decode_rgb(data, limits, draft)
     return LoadedImage(image=image, content_hash=content_hash(image), source_bytes=len(data))
 
 
-def decode_rgb(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
-    """The image's pixels, fully decoded, in RGB; an ImageError for anything else."""
+def decode_rgb(data: bytes, limits: ImageLimits = ImageLimits(),
+               draft: tuple[int, int] | None = None) -> Image.Image:
+    """The image's pixels, fully decoded, in RGB; an ImageError for anything else. `draft`
+    (the inexact decode, media.presize.Presizer.draft_size): a JPEG is decoded at the smallest
+    of 1/2, 1/4 or 1/8 of its size that is still at least this large (libjpeg's own DCT
+    scaling, PIL's `draft`); other formats are decoded whole. Its pixels, and so its identity,
+    are those of the smaller image."""
     if len(data) > limits.max_bytes:
         raise ImageTooLarge(f"image is {len(data)} bytes; the limit is {limits.max_bytes}")
     try:
@@ -79,6 +85,8 @@ def decode_rgb(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
             if width * height > limits.max_pixels:
                 raise ImageTooLarge(
                     f"image is {width}x{height} pixels; the limit is {limits.max_pixels}")
+            if draft is not None:
+                probe.draft(None, draft)  # (no-op for anything but a JPEG)
             probe.load()  # decodes fully; truncated files fail here
             # an RGB image (most JPEGs) as decoded: convert() would copy it (a third of the
             # decode's time at 12 MP)
@@ -187,10 +195,12 @@ def peek_data_uri(ref: str, limits: ImageLimits = ImageLimits()) -> tuple[int, b
     return size, base64.b64decode(raw[:HEAD_BYTES // 3 * 4])
 
 
-def load_image_ref(ref: str, limits: ImageLimits = ImageLimits()) -> LoadedImage:
-    """A data URI (`data:image/...;base64,...`) or a local file path (`file://` or plain)."""
+def load_image_ref(ref: str, limits: ImageLimits = ImageLimits(),
+                   draft: tuple[int, int] | None = None) -> LoadedImage:
+    """A data URI (`data:image/...;base64,...`) or a local file path (`file://` or plain);
+    `draft`: as `decode_rgb`'s."""
     if ref.startswith("data:"):
-        return decode_image(data_uri_bytes(ref, limits), limits)
+        return decode_image(data_uri_bytes(ref, limits), limits, draft)
     if ref.startswith(("http://", "https://")):
         raise ImageError("image URLs are fetched by the frontend; the worker takes data URIs "
                          "and local files")
@@ -201,4 +211,4 @@ def load_image_ref(ref: str, limits: ImageLimits = ImageLimits()) -> LoadedImage
         raise ImageError(f"cannot read image file {str(path)!r}: {e.strerror}") from None
     if size > limits.max_bytes:
         raise ImageTooLarge(f"image file is {size} bytes; the limit is {limits.max_bytes}")
-    return decode_image(path.read_bytes(), limits)
+    return decode_image(path.read_bytes(), limits, draft)

@@ -87,8 +87,9 @@ def _presizer_of(pickled: bytes | None) -> Presizer | None:
     return _presizer[1]
 
 
-def _load_image(ref: str, limits: ImageLimits, presizer: bytes | None) -> LoadedImage:
-    item = load_image_ref(ref, limits)
+def _load_image(ref: str, limits: ImageLimits, presizer: bytes | None,
+                draft: tuple[int, int] | None) -> LoadedImage:
+    item = load_image_ref(ref, limits, draft)
     presize = _presizer_of(presizer)
     if presize is None:
         return item
@@ -130,17 +131,19 @@ class MediaPool:
                 f.result()
         return pids
 
-    def load_image(self, ref: str, limits: ImageLimits) -> LoadedImage:
-        """`load_image_ref(ref, limits)` in a media process, the image presized; blocks (call it
-        from a thread). The image's own errors (ImageError) are raised here as there."""
+    def load_image(self, ref: str, limits: ImageLimits,
+                   draft: tuple[int, int] | None = None) -> LoadedImage:
+        """`load_image_ref(ref, limits, draft)` in a media process, the image presized; blocks
+        (call it from a thread). The image's own errors (ImageError) are raised here as there."""
         if not self._broken:
             try:
-                return self._pool.submit(_load_image, ref, limits, self._presizer).result()
+                return self._pool.submit(_load_image, ref, limits, self._presizer,
+                                         draft).result()
             except BrokenProcessPool:
                 self._broken = True
                 log.error("[mmhandoff] a media process died: images are loaded in the "
                           "worker's threads from now on")
-        return load_image_ref(ref, limits)
+        return load_image_ref(ref, limits, draft)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -24,6 +24,10 @@ from PIL import Image
 # transformers' image processors whose first resize is the one the tests pin as exact
 PRESIZED = frozenset({"CLIPImageProcessor", "Qwen2VLImageProcessor"})
 SMALLER = 0.5  # the kept image's pixels at most this share of the original's, else not used
+# processors that resize every image to a fixed short side, whatever its size: a JPEG decoded
+# smaller (`--image-decode draft`) gives the same shape of input, its pixels a little off
+DRAFTED = frozenset({"CLIPImageProcessor"})
+DRAFT_MARGIN = 2  # the draft's short side at least this many times the processor's
 
 
 class _Stop(Exception):
@@ -41,6 +45,23 @@ class Presizer:
     def supports(image_processor) -> bool:
         return type(image_processor).__name__ in PRESIZED and callable(
             getattr(image_processor, "resize", None))
+
+    def draft_size(self) -> tuple[int, int] | None:
+        """The least size a JPEG may be decoded at for the inexact decode (images.decode_rgb's
+        `draft`), or None where this processor's input would change shape: only a fixed short
+        side (CLIP's 336 px), and the draft keeps twice that. The model's input is then off by
+        up to ~0.09, ~0.01 on average (normalised units, where one step of 255 is ~0.015;
+        tests/test_presize.py measures it)."""
+        proc = self.image_processor
+        size = getattr(proc, "size", None)
+        if type(proc).__name__ not in DRAFTED or not getattr(proc, "do_resize", False) \
+                or size is None:
+            return None
+        fields = dict(size) if isinstance(size, dict) else dict(getattr(size, "__dict__", {}))
+        side = fields.pop("shortest_edge", None)
+        if not isinstance(side, int) or side < 1 or any(v is not None for v in fields.values()):
+            return None  # another kind of size (pixel bounds, a fixed box): not drafted
+        return DRAFT_MARGIN * side, DRAFT_MARGIN * side
 
     def __call__(self, image: Image.Image) -> Image.Image:
         """`image` (RGB, upright) at the processor's resize size, or itself when that would not

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                    bypass_max_tokens=args.bypass_max_tokens,
                    publish_prefixes=context.publish_prefixes, claims=claims,
                    release_unclaimed_s=args.release_unclaimed_s,
-                   pool=context.media_pool)
+                   pool=context.media_pool, image_decode=args.image_decode)
 
     return run("prefill", "prefill", ENDPOINT, make_worker, ERRORS, argv,
                side_endpoints=(CLAIM,))

@@ -109,16 +109,17 @@ class PrefillWorker:
                  publish_prefixes: Callable[[dict[str, list]], None] | None = None,
                  claims: ClaimBook | None = None,
                  release_unclaimed_s: float = RELEASE_UNCLAIMED_S,
-                 pool: MediaPool | None = None) -> None:
+                 pool: MediaPool | None = None, image_decode: str = "exact") -> None:
         """`key`: sign every handoff with it, with a nonce and an expiry `ttl_s` from now
         (decode is given the same key). `router` (a RouterLookup) and `bypass_max_tokens` > 0:
         skip the engine for a prompt a decode replica can answer from its own cache (bypass).
         `claims`: with a key, each handoff that names KV names this prefill as where to claim
         it, and the book grants it once (prefill.claims); one unclaimed after
         `release_unclaimed_s` is revoked and its blocks freed (0: left to the lease).
-        `pool`: the processes that prepare images (media.pool), ready at warm-up."""
+        `pool`: the processes that prepare images (media.pool), ready at warm-up;
+        `image_decode`: engine.prompt.IMAGE_DECODES."""
         self.engine = engine
-        self.prompts = PromptBuilder(engine, limits, pool=pool)
+        self.prompts = PromptBuilder(engine, limits, pool=pool, image_decode=image_decode)
         self.key, self.ttl_s = key, ttl_s
         self.router, self.bypass_max_tokens = router, bypass_max_tokens
         # what each image key's prefix is in this engine's blocks, for the router's placement

@@ -65,6 +65,8 @@ def parser(role: str) -> argparse.ArgumentParser:
                             "was issued (its delivery lost) is revoked and its KV freed, instead "
                             "of held until --kv-lease-s ends (0: left to the lease)")
     if role in ("agg", "prefill"):
+        from mmhandoff.engine.prompt import IMAGE_DECODES
+
         p.add_argument("--renderer-torch-threads", type=_count_or_auto(1), metavar="N|auto",
                        help="torch threads vLLM's renderer processes each image on (default: "
                             "vLLM's, one unless the process has OMP_NUM_THREADS; auto: up to 8, "
@@ -73,6 +75,11 @@ def parser(role: str) -> argparse.ArgumentParser:
                        help="processes that decode, hash and presize images (media.pool; 0: "
                             "the worker's own threads); auto: half the process's cores, at most "
                             "8, none on a host of fewer than 8 cores")
+        p.add_argument("--image-decode", choices=IMAGE_DECODES, default="exact",
+                       help="exact: every pixel, the model's input is vLLM's own; draft: a JPEG "
+                            "decoded at 1/2, 1/4 or 1/8 scale where the model's processor "
+                            "resizes to a fixed short side anyway (LLaVA), ~2.5x less CPU for a "
+                            "12 MP photo, the model's input off by up to ~0.09 (docs/gpu.md)")
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg,
                    metavar="NAME=VALUE",
                    help="passed to vLLM's engine arguments as is, after mmhandoff's own (VALUE "
