@@ -115,7 +115,9 @@ class MediaPool:
     def spawn(self) -> MediaPool:
         """Start every process (returns at once; they import torch meanwhile), from the calling
         thread, which must live as long as the process (the main thread): each process is
-        signalled to die when it ends. The engine's start goes on beside them."""
+        signalled to die when it ends. The engine's start goes on beside them. Each process
+        imports the caller's `__main__` module again (multiprocessing's spawn): a script that
+        makes a pool needs its `if __name__ == "__main__":` guard, as mmhandoff's own have."""
         if self._spawned is None:
             # each call finds no idle process (none has finished a task yet) and spawns one
             self._spawned = [self._pool.submit(_ready, None) for _ in range(self.workers)]
