@@ -89,6 +89,15 @@ def test_peek_agrees_with_the_full_decode(body):
     assert data == base64.b64decode(body, validate=True)  # Python's own decoder agrees
 
 
+@pytest.mark.parametrize("ref", ["data:image/png;x=\u00e9;base64,AAAA",  # not ASCII before it
+                                 "data:image/png;a=b;base64,AA=A", "data:image/png;base64,=AAA"])
+def test_peek_and_the_full_decode_refuse_alike(ref):
+    for check in (peek_data_uri, data_uri_bytes):
+        with pytest.raises(InvalidBase64):
+            check(ref)
+    assert peek_data_uri("data:image/png;a=b;base64,AA==") == (1, b"\0")  # "=" in the header
+
+
 def test_peek_of_a_large_image_decodes_only_the_head():
     data = bytes(range(256)) * 1000  # 256 KB
     size, head = peek_data_uri("data:image/png;base64," + base64.b64encode(data).decode())

@@ -108,8 +108,9 @@ def test_the_pool_sends_the_processor_a_small_image(builders):
 
 def test_errors_come_back_typed_from_the_pool(builders):
     pool = builders[0].pool
-    with pytest.raises(InvalidBase64):
-        pool.load_image("data:image/png;base64,!!!!", ImageLimits())
+    for bad in ("data:image/png;base64,!!!!", b"data:image/png;base64,!!!!"):
+        with pytest.raises(InvalidBase64):
+            pool.load_image(bad, ImageLimits())
     with pytest.raises(ImageTooLarge):
         pool.load_image(data_uri(encode(make_image(300, 200, 1))), ImageLimits(max_pixels=1000))
 
@@ -160,6 +161,7 @@ def test_the_presizer_reaches_processes_spawned_before_it(tmp_path):
             item = pool.load_image(ref, ImageLimits())
             assert item.image.size == (160, 120)
             assert item.content_hash == load_image_ref(ref).content_hash  # of the image as sent
+            assert pool.load_image(ref.encode(), ImageLimits()) == item  # a URI sent as bytes
         children = {c.pid for c in psutil.Process().children(recursive=True)}
         records = {int(f.name): f.read_text() for f in tmp_path.iterdir()}
         assert records and set(records) <= children and pids <= children

@@ -149,7 +149,8 @@ class PromptBuilder:
                                             await self.media(request, decode=True))
 
     def _load(self, ref: str, video: bool, decode: bool) -> Media:
-        key = blake3(ref.encode()).hexdigest() if ref.startswith("data:") else None
+        raw = ref.encode() if ref.startswith("data:") else None
+        key = blake3(raw).hexdigest() if raw is not None else None
         with self._lock:
             known = self._decoded.get(key) if key is not None and not decode else None
             if known is not None:
@@ -158,8 +159,8 @@ class PromptBuilder:
             return (LoadedVideo if video else LoadedImage)(None, *known)
         if video:
             item = self._load_video(ref)
-        elif self.pool is not None:
-            item = self.pool.load_image(ref, self.limits, self.draft)
+        elif self.pool is not None:  # (as bytes: media.pool)
+            item = self.pool.load_image(ref if raw is None else raw, self.limits, self.draft)
         else:
             item = load_image_ref(ref, self.limits, self.draft)
         if key is not None:  # (a file's contents may change: not remembered)
