@@ -73,8 +73,9 @@ def parser(role: str) -> argparse.ArgumentParser:
                             "no more than the process's cores); set once the engine is up")
         p.add_argument("--media-workers", type=_count_or_auto(0), default="auto", metavar="N|auto",
                        help="processes that decode, hash and presize images (media.pool; 0: "
-                            "the worker's own threads); auto: half the process's cores, at most "
-                            "8, none on a host of fewer than 8 cores")
+                            "the worker's own threads); auto: half the process's cores (within "
+                            "a cgroup CPU quota), at most 8, none on a host of fewer than 8 "
+                            "cores")
         p.add_argument("--image-decode", choices=IMAGE_DECODES, default="exact",
                        help="exact: every pixel, the model's input is vLLM's own; draft: a JPEG "
                             "decoded at 1/2, 1/4 or 1/8 scale where the model's processor "
@@ -205,8 +206,8 @@ class Worker(Protocol):
     """What the process needs of a worker: the endpoint's handler, and its own warm-up (after the
     engine's, before the worker reports ready: the first client's request as fast as the rest).
     A worker run with `side_endpoints` also answers `side_handler(name)`: that endpoint's
-    handler and the error types it reports typed. A worker with a `close()` (what it started
-    the media processes it was given) is closed after its engine."""
+    handler and the error types it reports typed. A worker with a `close()` (it closes the media
+    processes it was given) is closed after its engine."""
 
     def handle(self, request: dict) -> AsyncIterator[dict]: ...
 
