@@ -58,7 +58,8 @@ CELLS = [("640x480", 1, 8), ("640x480", 8, 32), ("640x480", 32, 64),
          ("12MP", 1, 6), ("12MP", 8, 16)]  # (image, concurrency, requests)
 SIZES = {"640x480": (640, 480), "12MP": (4000, 3000)}
 ARMS = ("vllm", "vllm-pd", "agg", "disagg", "agg-parallel", "agg-threads", "disagg-threads",
-        "agg-inline", "disagg-inline", "disagg-cache", "agg-draft", "disagg-draft")
+        "agg-inline", "disagg-inline", "disagg-cache", "agg-draft", "disagg-draft",
+        "agg-nagle", "disagg-nagle")
 # variants of a shipped graph (issue 37): the arguments its image-processing component gets
 # on top of the config's. agg-parallel: 8 threads processing images (vLLM then keeps no
 # processed-image cache) instead of vLLM's one thread and its cache; *-threads: each image on
@@ -73,6 +74,9 @@ VARIANTS = {"agg-parallel": ("agg", ["--engine-arg", "renderer_num_workers=8"]),
             "agg-inline": ("agg", INLINE), "disagg-inline": ("prefill", INLINE),
             "disagg-cache": ("prefill", ["--engine-arg", "renderer_num_workers=1"]),
             "agg-draft": ("agg", DRAFT), "disagg-draft": ("prefill", DRAFT)}
+# *-nagle: the graph with Dynamo's request-plane sockets as ai-dynamo-runtime 1.6 leaves them
+# (Nagle on where the server accepted: plane/nodelay.py), the graph's own environment otherwise
+ENV_VARIANTS = {f"{g}-nagle": {"MMHANDOFF_REQUEST_PLANE_NODELAY": "0"} for g in ("agg", "disagg")}
 AGAIN = "12MP C1 again"  # the 12 MP C1 cell's images once more: a follow-up turn's TTFT
 PD_SHARE = 0.45  # as configs/gpu/disagg.yaml's engines on one GPU
 
@@ -203,7 +207,7 @@ def start_arm(arm: str, model: str, log_dir: Path) -> tuple[list[Server], float]
             Path(config).write_text(yaml.safe_dump(spec))
         servers = [Server(arm, [sys.executable, "-m", "mmhandoff", "serve",
                                 f"graphs.{graph}:Frontend", "-f", config,
-                                "--port", str(p)], p, log_dir)]
+                                "--port", str(p)], p, log_dir, ENV_VARIANTS.get(arm))]
         servers[0].wait(900)
     return servers, time.monotonic() - t0
 
@@ -420,8 +424,9 @@ def report(results: dict) -> None:
         if {"agg", "vllm"} <= set(arms):
             line.append(f"agg/vllm serve req/s {ratio('agg', 'vllm', c, 'rps'):.2f}"
                         + (" (>= 0.95)" if c.endswith(("C8", "C32")) else ""))
-        for variant, (component, _) in VARIANTS.items():
-            base = "disagg" if component == "prefill" else "agg"
+        bases = {v: "disagg" if component == "prefill" else "agg"
+                 for v, (component, _) in VARIANTS.items()}
+        for variant, base in {**bases, **{v: v.split("-")[0] for v in ENV_VARIANTS}}.items():
             if {base, variant} <= set(arms):
                 line.append(f"{variant}/{base} TTFT p50 "
                             f"{ratio(variant, base, c, 'ttft_p50_ms'):.2f}")

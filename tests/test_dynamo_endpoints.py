@@ -162,3 +162,34 @@ def test_call_one_answers_before_the_stream_ends(loop, dynamo_rt):
         assert err.value.code == "internal"
 
     loop.run(scenario())
+
+
+def test_request_plane_connections_have_nagle_off(loop, dynamo_rt):
+    """Dynamo 1.6's request-plane server leaves Nagle on for the connections it accepts (with
+    several requests in flight its acknowledgements then waited 40 ms: plane/nodelay.py). After
+    a served request, every connection this process's listeners accepted has TCP_NODELAY."""
+    import asyncio
+    import os
+    import socket
+
+    import psutil
+
+    from mmhandoff.plane.runtime import call_one, client, serve
+
+    async def echo(request):
+        yield {"n": request["n"]}
+
+    async def scenario():
+        serve(dynamo_rt, "mmhtest.echo.generate", echo, ())
+        c = await client(dynamo_rt, "mmhtest.echo.generate")
+        answers = await asyncio.gather(*[call_one(c, {"n": i}) for i in range(8)])
+        assert [a["n"] for a in answers] == list(range(8))
+
+    loop.run(scenario())
+    tcp = psutil.Process().net_connections(kind="tcp")
+    ports = {c.laddr.port for c in tcp if c.status == psutil.CONN_LISTEN}
+    accepted = [c for c in tcp if c.status == psutil.CONN_ESTABLISHED and c.laddr.port in ports]
+    assert accepted  # the request plane's connection, at least
+    for c in accepted:
+        with socket.socket(fileno=os.dup(c.fd)) as s:
+            assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY), c

@@ -1,0 +1,76 @@
+"""Nagle's algorithm off on the connections this process's TCP servers accept.
+
+ai-dynamo-runtime 1.6's TCP request-plane server leaves TCP_NODELAY off on the connections it
+accepts (its clients, and both ends of its response streams, set it). The server acknowledges
+each request with a 4-byte write on that connection, and the caller reads no item of a
+response stream before the request's acknowledgement. With several requests in flight on one
+connection (a frontend's requests to a worker share one), Nagle holds every acknowledgement
+after the first until the caller ACKs the first, and the caller delays that ACK by Linux's
+40 ms delayed-ACK floor: measured on this hop alone (benchmarks/plane_hop.py), requests at 1 in
+flight took 1.1 ms, at 4 or 8 in flight 43 ms each; with TCP_NODELAY 3 and 5 ms.
+
+Linux copies a listening socket's TCP_NODELAY to each connection it accepts afterwards, so the
+listeners get it, and connections they accepted before get it too. Every TCP server in these
+processes (Dynamo's request plane and status server, vLLM's NIXL side channel through ZMQ,
+which sets it itself) answers requests, where Nagle only delays small writes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+ENV = "MMHANDOFF_REQUEST_PLANE_NODELAY"  # "0": leave Dynamo's sockets as they are (benchmarks)
+
+
+def _tcp_sockets() -> list[socket.socket]:
+    """Duplicates of this process's TCP sockets (closing one leaves the original open)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # closed meanwhile, or not a socket Python can wrap
+            continue
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+            out.append(sock)
+        else:
+            sock.close()
+    return out
+
+
+def _set(sock: socket.socket) -> bool:
+    """TCP_NODELAY on `sock`; whether it was off."""
+    try:
+        if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY):
+            return False
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return True
+    except OSError:  # closed by its owner meanwhile
+        return False
+
+
+def servers_without_delay() -> int:
+    """TCP_NODELAY on this process's listening TCP sockets and on the connections they have
+    accepted; how many sockets had it off. Cheap (one pass over the process's descriptors)."""
+    if os.environ.get(ENV, "1") == "0":
+        return 0
+    sockets = _tcp_sockets()
+    try:
+        ports, listeners, others = set(), [], []
+        for s in sockets:
+            try:
+                listening, port = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN), \
+                    s.getsockname()[1]
+            except OSError:  # closed by its owner meanwhile
+                continue
+            (listeners if listening else others).append((s, port))
+            if listening:
+                ports.add(port)
+        # the listeners first: a connection accepted from here on inherits their setting
+        return (sum(_set(s) for s, _ in listeners)
+                + sum(_set(s) for s, port in others if port in ports))
+    finally:
+        for s in sockets:
+            s.close()
