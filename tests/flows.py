@@ -177,7 +177,40 @@ def assert_pooled_renders_alike(loop, engine, questions: dict[str, list],
             ids_a, features_a, tensors_a = rendered_input(loop, pooled, f"pool-{name}", messages)
             ids_b, features_b, tensors_b = rendered_input(loop, threads, f"threads-{name}",
                                                           messages)
-            assert ids_a == ids_b and features_a == features_b
+            assert ids_a == ids_b
+            assert_identities(features_a, features_b, messages, engine.presizer())
             assert_same_tensors(tensors_a, tensors_b)
     finally:
         pooled.close()
+
+
+def pooled_identity(presizer, data: bytes, draft=None) -> str:
+    """An image's identity as a media process gives it, computed here apart: the hash of its
+    presized pixels (their own domain) where presizing makes it smaller, else of the whole
+    image's, as in the worker's threads (media.images)."""
+    from mmhandoff.media.images import PRESIZED_DOMAIN, content_hash, decode_rgb
+
+    image = decode_rgb(data, draft=draft)
+    small = presizer(image)
+    return content_hash(image) if small is image else content_hash(small, PRESIZED_DOMAIN)
+
+
+def message_images(messages) -> list[bytes]:
+    """The bytes of every data-URI image in `messages`, in order."""
+    import base64
+
+    return [base64.b64decode(part.image_url.url.split(",", 1)[1]) for m in messages
+            for part in (m.content if isinstance(m.content, list) else [])
+            if getattr(part, "image_url", None) is not None]
+
+
+def assert_identities(pooled, threads, messages, presizer, draft=None) -> None:
+    """The features of one prompt rendered with media processes (`pooled`) and in the worker's
+    threads: the same spans; each path's identities as media.images defines them."""
+    from mmhandoff.media.images import decode_image
+
+    images = message_images(messages)
+    assert pooled.mm_placeholders == threads.mm_placeholders
+    assert pooled.mm_hashes == {"image": [pooled_identity(presizer, d, draft) for d in images]}
+    assert threads.mm_hashes == {"image": [decode_image(d, draft=draft).content_hash
+                                           for d in images]}

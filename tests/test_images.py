@@ -1,4 +1,5 @@
 import base64
+import binascii
 
 import pytest
 from blake3 import blake3
@@ -70,23 +71,50 @@ def test_limits():
 _B64ISH = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=\n $é"
 
 
-@settings(max_examples=400, deadline=None)
-@example(body="0000=")  # found by this test: the full decode took it, the peek did not
-@example(body="0000====")
-@example(body="===")
-@given(st.one_of(st.text(alphabet=_B64ISH, max_size=24),
-                 st.binary(max_size=200).map(lambda b: base64.b64encode(b).decode())))
-def test_peek_agrees_with_the_full_decode(body):
-    """The frontend's peek checks what the full decode checks, without decoding past the head."""
-    ref = "data:image/png;base64," + body
+def _rules(body: str) -> bytes | None:
+    """The base64 rules spelled out apart from pybase64: ASCII, a whole number of quanta, the
+    standard alphabet, at most two "=" and only at the end (binascii's strict mode checks the
+    alphabet and the padding's place, and takes "0000=" and "AAAA====": refused here first)."""
     try:
-        data = data_uri_bytes(ref)
-    except InvalidBase64:
-        with pytest.raises(InvalidBase64):
-            peek_data_uri(ref)
+        raw = body.encode("ascii")
+    except UnicodeEncodeError:
+        return None
+    if len(raw) % 4 or raw.endswith(b"==="):
+        return None
+    try:
+        return binascii.a2b_base64(raw, strict_mode=True)
+    except binascii.Error:
+        return None
+
+
+def _with_stray(b64: str, at: int, char: str) -> str:
+    return b64[:at % (len(b64) + 1)] + char + b64[at % (len(b64) + 1):]
+
+
+@settings(max_examples=600, deadline=None)
+@example(body="0000=")  # binascii's strict mode took it; the rules do not
+@example(body="0000====")
+@example(body="AAAA====")
+@example(body="===")
+@example(body="AR==")  # non-zero bits under the padding: taken, as Python's decoder takes it
+@given(st.one_of(
+    st.text(alphabet=_B64ISH, max_size=24),
+    st.binary(max_size=200).map(lambda b: base64.b64encode(b).decode()),
+    st.builds(_with_stray, st.binary(min_size=1, max_size=60).map(
+        lambda b: base64.b64encode(b).decode()), st.integers(0, 200), st.sampled_from("=\n -_$"))))
+def test_data_uris_are_decoded_by_the_rules(body):
+    """The full decode and the frontend's peek accept and refuse exactly what the rules say,
+    with the rules' bytes."""
+    ref = "data:image/png;base64," + body
+    expected = _rules(body)
+    if expected is None:
+        for check in (data_uri_bytes, peek_data_uri):
+            with pytest.raises(InvalidBase64):
+                check(ref)
         return
-    assert peek_data_uri(ref) == (len(data), data[:HEAD_BYTES])
-    assert data == base64.b64decode(body, validate=True)  # Python's own decoder agrees
+    assert data_uri_bytes(ref) == expected
+    assert peek_data_uri(ref) == (len(expected), expected[:HEAD_BYTES])
+    assert expected == base64.b64decode(body, validate=True)  # Python's own decoder agrees
 
 
 @pytest.mark.parametrize("ref", ["data:image/png;x=\u00e9;base64,AAAA",  # not ASCII before it
@@ -98,7 +126,7 @@ def test_peek_and_the_full_decode_refuse_alike(ref):
     assert peek_data_uri("data:image/png;a=b;base64,AA==") == (1, b"\0")  # "=" in the header
 
 
-def test_peek_of_a_large_image_decodes_only_the_head():
+def test_peek_of_a_large_image_returns_its_head():
     data = bytes(range(256)) * 1000  # 256 KB
     size, head = peek_data_uri("data:image/png;base64," + base64.b64encode(data).decode())
     assert size == len(data) and head == data[:HEAD_BYTES] and len(head) < len(data)

@@ -1,6 +1,7 @@
 """Images prepared in media processes (media.pool) give vLLM's renderer the same work to do as
-images prepared in the worker's threads: the same token ids, identities, spans and processed
-tensors, bit for bit, with the presizer the engine itself checked (tiny LLaVA on vLLM's CPU
+images prepared in the worker's threads: the same token ids, spans and processed tensors, bit
+for bit, and each path's identities as media.images defines them (media processes hash the
+presized pixels), with the presizer the engine itself checked (tiny LLaVA on vLLM's CPU
 engine; the Qwen families: test_qwen2_vl.py). And the pool's own behaviour: typed errors from
 its processes, a dead process not losing requests, nothing left running after close."""
 
@@ -16,10 +17,18 @@ from PIL import Image
 
 from mmhandoff.engine.fake import FakeEngine
 from mmhandoff.engine.prompt import PromptBuilder
-from mmhandoff.media.images import ImageLimits, ImageTooLarge, InvalidBase64, load_image_ref
+from mmhandoff.media.images import (
+    PRESIZED_DOMAIN,
+    ImageLimits,
+    ImageTooLarge,
+    InvalidBase64,
+    content_hash,
+    data_uri_bytes,
+    load_image_ref,
+)
 from mmhandoff.media.pool import MediaPool
 from tests.conftest import chat, data_uri, encode, make_image
-from tests.flows import assert_same_tensors, rendered_input
+from tests.flows import assert_identities, assert_same_tensors, pooled_identity, rendered_input
 
 pytestmark = pytest.mark.engine
 
@@ -64,7 +73,7 @@ def test_images_from_the_pool_are_the_same_engine_input(loop, builders, case):
     ids_a, features_a, tensors_a = rendered_input(loop, pooled, f"pool-{case}", messages)
     ids_b, features_b, tensors_b = rendered_input(loop, threads, f"threads-{case}", messages)
     assert ids_a == ids_b
-    assert features_a == features_b  # identities (of the full pixels) and spans
+    assert_identities(features_a, features_b, messages, pooled.engine.presizer())
     assert_same_tensors(tensors_a, tensors_b)
 
 
@@ -87,7 +96,10 @@ def test_a_drafted_jpeg_is_the_same_prompt_its_input_a_measured_bit_off(loop, en
         ids_t, features_t, tensors_t = rendered_input(loop, threads, "draft-threads", messages)
         ids_e, features_e, tensors_e = rendered_input(loop, exact, "draft-exact", messages)
         assert ids_p == ids_t == ids_e
-        assert features_p == features_t != features_e  # the drafted pixels' own identity
+        assert_identities(features_p, features_t, messages, pooled.engine.presizer(),
+                          draft=pooled.draft)  # the drafted pixels' own identities
+        assert features_e.mm_hashes["image"][0] not in (features_p.mm_hashes["image"]
+                                                        + features_t.mm_hashes["image"])
         assert_same_tensors(tensors_p, tensors_t)
         (drafted,), (whole,) = tensors_p, tensors_e
         diff = (drafted["pixel_values"] - whole["pixel_values"]).abs()
@@ -102,8 +114,11 @@ def test_the_pool_sends_the_processor_a_small_image(builders):
     ref = data_uri(encode(make_image(2000, 1500, 46), "JPEG"), "image/jpeg")
     item = pooled.pool.load_image(ref, ImageLimits())
     assert item.image.width * item.image.height <= 0.5 * 2000 * 1500
-    assert item.content_hash == load_image_ref(ref).content_hash
-    assert item.source_bytes == load_image_ref(ref).source_bytes
+    whole = load_image_ref(ref)
+    # the identity of the presized pixels (media.images), not of the whole image's
+    assert item.content_hash == content_hash(item.image, PRESIZED_DOMAIN) != whole.content_hash
+    assert item.content_hash == pooled_identity(pooled.engine.presizer(), data_uri_bytes(ref))
+    assert item.source_bytes == whole.source_bytes
 
 
 def test_errors_come_back_typed_from_the_pool(builders):
@@ -160,7 +175,8 @@ def test_the_presizer_reaches_processes_spawned_before_it(tmp_path):
         for ref in refs:
             item = pool.load_image(ref, ImageLimits())
             assert item.image.size == (160, 120)
-            assert item.content_hash == load_image_ref(ref).content_hash  # of the image as sent
+            halved = load_image_ref(ref).image.resize((160, 120))  # the presizer's work, here
+            assert item.content_hash == content_hash(halved, PRESIZED_DOMAIN)
             assert pool.load_image(ref.encode(), ImageLimits()) == item  # a URI sent as bytes
         children = {c.pid for c in psutil.Process().children(recursive=True)}
         records = {int(f.name): f.read_text() for f in tmp_path.iterdir()}

@@ -91,9 +91,8 @@ def test_an_image_the_processor_keeps_near_its_size_goes_on_as_it_is():
     assert Presizer(image_processor("dummy:qwen2.5-vl-7b"))(image) is image
 
 
-def test_presizing_does_not_change_the_identity():
-    """The identity is of the decoded pixels, before presizing: the same picture presized for
-    two models (or not at all) has one identity."""
+def test_decoding_alone_gives_the_identity_of_the_decoded_pixels():
+    """Where nothing presizes (the worker's threads), the identity is of the decoded pixels."""
     data = encode(make_image(1200, 900, seed=3), "JPEG")
     loaded = decode_image(data)
     assert content_hash(decode_rgb(data)) == loaded.content_hash
@@ -193,3 +192,28 @@ def test_a_draft_leaves_other_formats_and_small_jpegs_whole():
     assert decode_image(png, draft=draft) == decode_image(png)
     small = encode(make_image(1400, 700, seed=9), "JPEG")  # no 1/2 scale keeps 672 a side
     assert decode_image(small, draft=draft) == decode_image(small)
+
+
+def test_a_media_process_hashes_what_the_model_sees():
+    """media.pool's identity where it presizes: the presized pixels' hash, in their own domain
+    (still an identity of the model's input: media.images), one for the same pixels sent as PNG
+    or BMP, another for another picture; where the processor keeps an image near its size, the
+    whole image's hash, as the worker's threads give it."""
+    import pickle
+
+    from mmhandoff.media.images import PRESIZED_DOMAIN, ImageLimits, load_image_ref
+    from mmhandoff.media.pool import _load_image
+    from tests.conftest import data_uri
+
+    llava = Presizer(image_processor("dummy:llava-1.5-7b"))
+    picture = photo(2000, 1500)
+    png, bmp = data_uri(encode(picture, "PNG")), data_uri(encode(picture, "BMP"), "image/bmp")
+    a, b = (_load_image(ref, ImageLimits(), pickle.dumps(llava), None) for ref in (png, bmp))
+    assert a.content_hash == b.content_hash == content_hash(llava(picture), PRESIZED_DOMAIN)
+    assert a.content_hash != content_hash(picture)
+    other = _load_image(data_uri(encode(photo(1500, 2000), "PNG")), ImageLimits(),
+                        pickle.dumps(llava), None)
+    assert other.content_hash != a.content_hash
+    qwen = pickle.dumps(Presizer(image_processor("dummy:qwen2.5-vl-7b")))
+    kept = data_uri(encode(photo(640, 480), "PNG"))
+    assert _load_image(kept, ImageLimits(), qwen, None) == load_image_ref(kept)

@@ -41,7 +41,7 @@ from mmhandoff.wire.messages import (
 )
 
 
-OFF_LOOP_CHARS = 1 << 20  # a data URI longer than this is checked in a thread
+OFF_LOOP_CHARS = 1 << 20  # a request body longer than this is parsed in a thread
 
 
 @dataclass(frozen=True)
@@ -190,11 +190,8 @@ class RequestReader:
         """A checked data URI for an image given as a data URI or an http(s) URL."""
         limits = ImageLimits(max_bytes=self.limits.max_image_bytes)
         try:
-            if url.startswith("data:"):  # prefill decodes it all: here the header is enough
-                # checking a photo's base64 takes ms (12 MP: ~5): off the event loop, which
-                # streams other answers' tokens meanwhile
-                size, data = (await asyncio.to_thread(peek_data_uri, url, limits)
-                              if len(url) > OFF_LOOP_CHARS else peek_data_uri(url, limits))
+            if url.startswith("data:"):  # checked whole (12 MP: ~0.3 ms); the header read
+                size, data = peek_data_uri(url, limits)
             elif url.startswith(("http://", "https://")):
                 data = await self.fetcher.fetch(url, budget)
                 size = len(data)

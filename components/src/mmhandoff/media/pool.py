@@ -4,10 +4,11 @@ A first-seen image costs its worker the data URI's base64, the decode, the ident
 model's image processor: ~250 ms of one core for a 12 MP JPEG on the GPU host. In threads of the
 worker's process those steps hold the GIL for part of their time (base64, PIL's copies, the
 processor's Python), and vLLM's renderer runs every image's processor on one thread: eight such
-images at once queued for seconds on a 16-core host. Here each image is decoded, hashed and
-brought to the processor's resize size (media.presize: the same model input) in one of N
-processes; the worker's process gets back the identity and a small image (a 12 MP photo for
-LLaVA: 336 x 448), which vLLM's renderer processes in a few milliseconds.
+images at once queued for seconds on a 16-core host. Here each image is decoded, brought to
+the processor's resize size (media.presize: the same model input) and hashed in that form
+(media.images: still an identity of the model's input) in one of N processes; the worker's
+process gets back the identity and a small image (a 12 MP photo for LLaVA: 336 x 448), which
+vLLM's renderer processes in a few milliseconds.
 
 The processes are spawned (the worker's process runs threads of its own: fork is unsafe), all at
 start, from the worker's main thread, and each dies with its parent (process.parent_death). If
@@ -24,7 +25,14 @@ import pickle
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from mmhandoff.media.images import ImageLimits, LoadedImage, load_image_ref
+from mmhandoff.media.images import (
+    PRESIZED_DOMAIN,
+    ImageLimits,
+    LoadedImage,
+    content_hash,
+    load_image_ref,
+    read_image_ref,
+)
 from mmhandoff.media.presize import Presizer
 
 log = logging.getLogger(__name__)
@@ -93,11 +101,15 @@ def _presizer_of(pickled: bytes | None) -> Presizer | None:
 
 def _load_image(ref: str | bytes, limits: ImageLimits, presizer: bytes | None,
                 draft: tuple[int, int] | None) -> LoadedImage:
-    item = load_image_ref(_text(ref), limits, draft)
     presize = _presizer_of(presizer)
     if presize is None:
-        return item
-    return LoadedImage(presize(item.image), item.content_hash, item.source_bytes)
+        return load_image_ref(_text(ref), limits, draft)
+    image, size = read_image_ref(_text(ref), limits, draft)
+    small = presize(image)
+    # the identity of what the model sees, over the presized pixels where there are fewer
+    # (media.images says why that stays an identity)
+    return LoadedImage(small, content_hash(image) if small is image
+                       else content_hash(small, PRESIZED_DOMAIN), size)
 
 
 class MediaPool:
