@@ -154,13 +154,18 @@ def one(name: str, data: bytes, fmt: str, proc, threads: list[int], reps: int) -
     row["sha256 pixels"], _ = timed(lambda: hashlib.sha256(image.tobytes()).hexdigest(), reps)
     row["blake3 bytes"], _ = timed(
         lambda: blake3.blake3(raw, max_threads=blake3.blake3.AUTO).hexdigest(), reps)
-    # what a media process does with the data URI (load_image_ref + the presizer), the exact
-    # decode and the inexact one (--image-decode draft: a no-op for PNGs), on one torch thread
-    from mmhandoff.media.images import load_image_ref
+    # what a media process does with the data URI (media.pool.prepare_image: decode, presize,
+    # identity), the exact decode and the inexact one (--image-decode draft: a no-op for PNGs),
+    # on one torch thread
+    import pickle
+
+    from mmhandoff.media.images import ImageLimits
+    from mmhandoff.media.pool import prepare_image
+
+    pickled = pickle.dumps(presize)
 
     def media(draft):
-        item = load_image_ref(uri, draft=draft)
-        return presize(item.image)
+        return prepare_image(uri, ImageLimits(), pickled, draft).image
     row["media exact"], _ = timed(on_threads(threads[0], lambda: media(None)), reps)
     row["media draft"], small = timed(on_threads(threads[0], lambda: media(
         presize.draft_size())), reps)

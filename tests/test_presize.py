@@ -202,18 +202,18 @@ def test_a_media_process_hashes_what_the_model_sees():
     import pickle
 
     from mmhandoff.media.images import PRESIZED_DOMAIN, ImageLimits, load_image_ref
-    from mmhandoff.media.pool import _load_image
+    from mmhandoff.media.pool import prepare_image
     from tests.conftest import data_uri
 
     llava = Presizer(image_processor("dummy:llava-1.5-7b"))
     picture = photo(2000, 1500)
     png, bmp = data_uri(encode(picture, "PNG")), data_uri(encode(picture, "BMP"), "image/bmp")
-    a, b = (_load_image(ref, ImageLimits(), pickle.dumps(llava), None) for ref in (png, bmp))
+    a, b = (prepare_image(ref, ImageLimits(), pickle.dumps(llava), None) for ref in (png, bmp))
     assert a.content_hash == b.content_hash == content_hash(llava(picture), PRESIZED_DOMAIN)
     assert a.content_hash != content_hash(picture)
-    other = _load_image(data_uri(encode(photo(1500, 2000), "PNG")), ImageLimits(),
+    other = prepare_image(data_uri(encode(photo(1500, 2000), "PNG")), ImageLimits(),
                         pickle.dumps(llava), None)
     assert other.content_hash != a.content_hash
     qwen = pickle.dumps(Presizer(image_processor("dummy:qwen2.5-vl-7b")))
     kept = data_uri(encode(photo(640, 480), "PNG"))
-    assert _load_image(kept, ImageLimits(), qwen, None) == load_image_ref(kept)
+    assert prepare_image(kept, ImageLimits(), qwen, None) == load_image_ref(kept)

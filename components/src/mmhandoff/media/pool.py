@@ -99,8 +99,10 @@ def _presizer_of(pickled: bytes | None) -> Presizer | None:
     return _presizer[1]
 
 
-def _load_image(ref: str | bytes, limits: ImageLimits, presizer: bytes | None,
-                draft: tuple[int, int] | None) -> LoadedImage:
+def prepare_image(ref: str | bytes, limits: ImageLimits, presizer: bytes | None,
+                  draft: tuple[int, int] | None) -> LoadedImage:
+    """A media process's work on one image: decoded, presized by the pickled `presizer` (None:
+    not at all) and given its identity."""
     presize = _presizer_of(presizer)
     if presize is None:
         return load_image_ref(_text(ref), limits, draft)
@@ -158,7 +160,7 @@ class MediaPool:
         The image's own errors (ImageError) are raised here as there."""
         if not self._broken:
             try:
-                return self._pool.submit(_load_image, ref, limits, self._presizer,
+                return self._pool.submit(prepare_image, ref, limits, self._presizer,
                                          draft).result()
             except BrokenProcessPool:
                 self._broken = True
