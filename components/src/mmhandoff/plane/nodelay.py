@@ -51,26 +51,30 @@ def _set(sock: socket.socket) -> bool:
         return False
 
 
+def _listening(sock: socket.socket) -> tuple[bool, int] | None:
+    """Whether `sock` listens, and its port; None if it closed meanwhile."""
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)), \
+            sock.getsockname()[1]
+    except OSError:
+        return None
+
+
 def servers_without_delay() -> int:
     """TCP_NODELAY on this process's listening TCP sockets and on the connections they have
-    accepted; how many sockets had it off. Cheap (one pass over the process's descriptors)."""
+    accepted; how many sockets had it off. Two passes over the process's descriptors: the
+    listeners first (a connection accepted from then on inherits it), then the connections, so
+    that one accepted meanwhile is not missed."""
     if os.environ.get(ENV, "1") == "0":
         return 0
-    sockets = _tcp_sockets()
-    try:
-        ports, listeners, others = set(), [], []
-        for s in sockets:
-            try:
-                listening, port = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN), \
-                    s.getsockname()[1]
-            except OSError:  # closed by its owner meanwhile
-                continue
-            (listeners if listening else others).append((s, port))
-            if listening:
-                ports.add(port)
-        # the listeners first: a connection accepted from here on inherits their setting
-        return (sum(_set(s) for s, _ in listeners)
-                + sum(_set(s) for s, port in others if port in ports))
-    finally:
-        for s in sockets:
-            s.close()
+    changed, ports = 0, set()
+    for sock in _tcp_sockets():
+        with sock:
+            if (state := _listening(sock)) is not None and state[0]:
+                ports.add(state[1])
+                changed += _set(sock)
+    for sock in _tcp_sockets():
+        with sock:
+            if (state := _listening(sock)) is not None and not state[0] and state[1] in ports:
+                changed += _set(sock)
+    return changed
