@@ -66,3 +66,44 @@ def test_closed_sockets_and_other_descriptors_are_skipped(server, monkeypatch, t
         finally:
             os.close(r)
             os.close(w)
+
+
+def test_without_proc_it_changes_nothing(monkeypatch):
+    """Not Linux (no /proc): nothing to look at, nothing raised."""
+    import os
+
+    monkeypatch.delenv(nodelay.ENV, raising=False)
+
+    def missing(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(os, "listdir", missing)
+    assert nodelay.servers_without_delay() == 0
+
+
+def test_a_failing_scan_fails_no_request(monkeypatch):
+    """The scan runs once, at the process's first served request; whatever it raises, the
+    request is answered."""
+    import asyncio
+
+    from mmhandoff.plane import runtime
+
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("no scan today")
+
+    monkeypatch.setattr(runtime, "servers_without_delay", broken)
+    monkeypatch.setattr(runtime, "_served_one", False)
+
+    async def handler(request):
+        yield {"answer": request["n"] + 1}
+
+    endpoint = runtime.endpoint_handler(handler, ())
+
+    async def two():
+        return [[item async for item in endpoint({"n": n})] for n in (1, 2)]
+
+    assert asyncio.run(two()) == [[{"answer": 2}], [{"answer": 3}]]
+    assert calls == [1]  # once per process

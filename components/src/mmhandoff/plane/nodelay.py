@@ -26,7 +26,11 @@ ENV = "MMHANDOFF_REQUEST_PLANE_NODELAY"  # "0": leave Dynamo's sockets as they a
 def _tcp_sockets() -> list[socket.socket]:
     """Duplicates of this process's TCP sockets (closing one leaves the original open)."""
     out = []
-    for name in os.listdir("/proc/self/fd"):
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no /proc (not Linux): nothing to look at
+        return out
+    for name in names:
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 continue

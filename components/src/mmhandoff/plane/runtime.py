@@ -110,10 +110,16 @@ def _first_request() -> None:
     carried it exist: Nagle off on both (plane/nodelay.py: 40 ms per request otherwise, with
     several in flight)."""
     global _served_one
-    if not _served_one:
-        _served_one = True
-        if changed := servers_without_delay():
-            log.info(f"[mmhandoff] TCP_NODELAY set on {changed} server socket(s) of this process")
+    if _served_one:
+        return
+    _served_one = True
+    try:
+        changed = servers_without_delay()
+    except Exception as e:  # a latency fix: never the request's failure
+        log.warning(f"[mmhandoff] could not set TCP_NODELAY on this process's servers: {e!r}")
+        return
+    if changed:
+        log.info(f"[mmhandoff] TCP_NODELAY set on {changed} server socket(s) of this process")
 
 
 def serve(rt, path: str, handler: Callable[[Any], AsyncIterator[Any]],
