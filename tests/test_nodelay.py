@@ -82,8 +82,9 @@ def test_without_proc_it_changes_nothing(monkeypatch):
 
 
 def test_a_failing_scan_fails_no_request(monkeypatch):
-    """The scan runs once, at the process's first served request; whatever it raises, the
-    request is answered."""
+    """The scan runs once per endpoint, at its first request served through Dynamo (not at an
+    in-process call of the handler, as tests' planes make); whatever it raises, the request is
+    answered."""
     import asyncio
 
     from mmhandoff.plane import runtime
@@ -95,15 +96,18 @@ def test_a_failing_scan_fails_no_request(monkeypatch):
         raise RuntimeError("no scan today")
 
     monkeypatch.setattr(runtime, "servers_without_delay", broken)
-    monkeypatch.setattr(runtime, "_served_one", False)
 
     async def handler(request):
         yield {"answer": request["n"] + 1}
 
-    endpoint = runtime.endpoint_handler(handler, ())
+    async def answers(endpoint, ns):
+        return [[item async for item in endpoint({"n": n})] for n in ns]
 
-    async def two():
-        return [[item async for item in endpoint({"n": n})] for n in (1, 2)]
-
-    assert asyncio.run(two()) == [[{"answer": 2}], [{"answer": 3}]]
-    assert calls == [1]  # once per process
+    in_process = runtime.endpoint_handler(handler, ())
+    assert asyncio.run(answers(in_process, [0])) == [[{"answer": 1}]]
+    assert calls == []  # not through Dynamo: no scan
+    served = runtime.endpoint_handler(handler, (), served=True)
+    assert asyncio.run(answers(served, [1, 2])) == [[{"answer": 2}], [{"answer": 3}]]
+    assert calls == [1]  # once per endpoint
+    again = runtime.endpoint_handler(handler, (), served=True)  # another endpoint: scans again
+    assert asyncio.run(answers(again, [3])) == [[{"answer": 4}]] and calls == [1, 1]

@@ -80,14 +80,18 @@ def runtime(loop: asyncio.AbstractEventLoop, *, discovery: str | None = None,
 
 
 def endpoint_handler(handler: Callable[[Any], AsyncIterator[Any]],
-                     errors: tuple[type[BaseException], ...]) -> Callable:
+                     errors: tuple[type[BaseException], ...], *, served: bool = False) -> Callable:
     """`handler` as a Dynamo endpoint: exceptions of the `errors` types become error envelopes;
     anything else fails the stream. When the caller stops the stream (client gone), the handler
     is closed at its next item, which is where workers abort their engine request and free its
-    KV."""
+    KV. `served`: Dynamo's request plane calls it (`serve`): at its first request, Nagle off on
+    the process's servers (`_nagle_off`); in-process callers (tests' planes) leave that alone."""
+    first = [served]
 
     async def endpoint(request, context=None):
-        _first_request()
+        if first[0]:
+            first[0] = False
+            _nagle_off()
         items = handler(request)
         try:
             async for item in items:
@@ -102,17 +106,11 @@ def endpoint_handler(handler: Callable[[Any], AsyncIterator[Any]],
     return endpoint
 
 
-_served_one = False
-
-
-def _first_request() -> None:
-    """At the process's first request the request plane's listener and the connection that
-    carried it exist: Nagle off on both (plane/nodelay.py: 40 ms per request otherwise, with
-    several in flight)."""
-    global _served_one
-    if _served_one:
-        return
-    _served_one = True
+def _nagle_off() -> None:
+    """At an endpoint's first request through Dynamo, the request plane's listener and the
+    connection that carried it exist: Nagle off on both (plane/nodelay.py: 40 ms per request
+    otherwise, with several in flight). Once per endpoint, so that a listener a later runtime
+    of the process opens is not missed; the scan takes a millisecond or two."""
     try:
         changed = servers_without_delay()
     except Exception as e:  # a latency fix: never the request's failure
@@ -128,7 +126,8 @@ def serve(rt, path: str, handler: Callable[[Any], AsyncIterator[Any]],
     `endpoint`: the runtime's Endpoint for `path`, when the caller took it already (take each
     one before serving anything: plane/registration.py says why)."""
     target = endpoint if endpoint is not None else rt.endpoint(path)
-    return asyncio.ensure_future(target.serve_endpoint(endpoint_handler(handler, errors)))
+    return asyncio.ensure_future(target.serve_endpoint(endpoint_handler(handler, errors,
+                                                                        served=True)))
 
 
 async def client(rt, path: str, timeout_s: float = 30.0):
