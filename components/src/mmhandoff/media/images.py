@@ -155,11 +155,11 @@ def _data_uri_body_at(ref: str, limits: ImageLimits) -> int:
 
 
 def data_uri_bytes(ref: str, limits: ImageLimits = ImageLimits()) -> bytes:
-    """The bytes of a `data:image/...;base64,...` URI: padded base64 in the standard alphabet (a whole number of quanta, at
-    most two "=" and only at the end), size-checked before and after decoding. pybase64
-    (vLLM's own, SIMD) refuses any other character or padding in its `validate` mode: a
-    12 MP JPEG's 7.8 MB in 0.3 ms on the 2-core host, against 18 ms with binascii's strict
-    mode (the same rules: tests/test_images.py compares them)."""
+    """The bytes of a `data:image/...;base64,...` URI: padded base64 in the standard alphabet
+    (a whole number of quanta, at most two "=" and only at the end), size-checked before and
+    after decoding. pybase64 (vLLM's own, SIMD) refuses any other character or padding in its
+    `validate` mode: a 12 MP JPEG's 7.8 MB in 0.3 ms on the 2-core host, against 18 ms with
+    binascii's strict mode (the same rules: tests/test_images.py checks them)."""
     body_at = _data_uri_body_at(ref, limits)
     try:
         raw = memoryview(ref.encode("ascii"))[body_at:]
