@@ -86,11 +86,12 @@ def endpoint_handler(handler: Callable[[Any], AsyncIterator[Any]],
     is closed at its next item, which is where workers abort their engine request and free its
     KV. `served`: Dynamo's request plane calls it (`serve`): at its first request, Nagle off on
     the process's servers (`_nagle_off`); in-process callers (tests' planes) leave that alone."""
-    first = [served]
+    first = served
 
     async def endpoint(request, context=None):
-        if first[0]:
-            first[0] = False
+        nonlocal first
+        if first:
+            first = False
             _nagle_off()
         items = handler(request)
         try:
